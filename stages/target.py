@@ -1,0 +1,33 @@
+"""DVC stage `target`: make the target model available locally and write its fingerprint.
+
+    python stages/target.py --params params.yaml --out data/target
+"""
+
+from pathlib import Path
+
+import click
+
+from dflash_pipeline.runtime import offline_by_default, one_line_errors
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/target", show_default=True,
+              help="Folder for target.json (and the converted embedded model).")
+@one_line_errors
+def main(params_path: Path, out_dir: Path) -> None:
+    """Resolve `target.model` and fingerprint it into OUT/target.json."""
+    offline_by_default()
+    from dflash_pipeline.config import load_params
+    from dflash_pipeline.target import prepare_target
+
+    params = load_params(params_path)
+    info = prepare_target(params.target, out_dir=out_dir)
+    click.echo(
+        f"target: {info['model']} ({info['architecture']}, {info['num_layers']} layers, hidden {info['hidden_size']}, "
+        f"vocab {info['vocab_size']}, {info['dtype']}) fingerprint {info['fingerprint'][:12]}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Shared fixtures: tiny random-weight targets with the real SmolLM2 tokenizer, prompt files, a repo.
+
+The tiny targets have the real 49,152-token vocabulary and chat template (so token ids, padding and
+EOS handling are the real ones) but only a few narrow layers, so a stage runs in seconds on CPU.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2 tokenizer (vocabulary and chat template), read from the embedded GGUF."""
+    from transformers import AutoTokenizer
+
+    from dflash_pipeline.target import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    folder = tmp_path_factory.mktemp("smollm2-tokenizer")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _save_tiny(folder: Path, config, tokenizer_dir: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    for file in tokenizer_dir.iterdir():
+        shutil.copy(file, folder / file.name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A 4-layer, 64-wide random Llama with the SmolLM2 tokenizer (the default target's family)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), config, smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A 4-layer random Qwen3 (q/k norms, untied head) with the SmolLM2 tokenizer."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), config, smollm2_tokenizer_dir)
+
+
+SAMPLE_PROMPTS = [
+    {"prompt": "Write a Python function fizzbuzz(n) that returns the FizzBuzz sequence.", "category": "coding"},
+    {"prompt": "What is 17 times 23?", "category": "math"},
+    {"messages": [{"role": "user", "content": "Explain recursion in one paragraph."}], "category": "explain"},
+    {"conversations": [{"from": "human", "value": "Suggest a name for a cat."}, {"from": "gpt", "value": "Tom"}], "category": "chat"},
+    {"prompt": "Implement binary search over a sorted list.", "category": "coding", "split": "val"},
+    {"prompt": "A train travels 120 km in 1.5 hours. What is its average speed?", "category": "math"},
+    {"prompt": "List three uses of a paperclip.", "category": "chat"},
+    {"prompt": "Implement an LRU cache class with get and put.", "category": "coding", "split": "val"},
+]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+@pytest.fixture
+def sample_prompts(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "prompts.jsonl", SAMPLE_PROMPTS)
+
+
+def stage_env() -> dict:
+    """Environment for subprocesses: this interpreter's bin first, so `python` is the venv's."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=cwd, env=stage_env(), capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture
+def pipeline_repo(tmp_path) -> Path:
+    """A fresh git + DVC repo holding this project's pipeline files (not its data or venv)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
+        shutil.copy(REPO_ROOT / name, repo / name)
+    for folder in ("stages", "src", ".dvc"):
+        shutil.copytree(REPO_ROOT / folder, repo / folder, ignore=shutil.ignore_patterns("__pycache__", "tmp", "cache", "*.egg-info"))
+    (repo / "data" / "prompts").mkdir(parents=True)
+    run(["git", "init", "-q", "-b", "main"], repo)
+    run(["git", "config", "user.email", "test@example.com"], repo)
+    run(["git", "config", "user.name", "test"], repo)
+    return repo
+
+
+def set_params(repo: Path, **sections) -> None:
+    """Update params.yaml sections in `repo` with the given keys."""
+    import yaml
+
+    params_path = repo / "params.yaml"
+    params = yaml.safe_load(params_path.read_text())
+    for section, values in sections.items():
+        params[section].update(values)
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))

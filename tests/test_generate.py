@@ -1,0 +1,166 @@
+"""Stage `generate`: batched greedy decoding, resume after kill -9, the stage's outputs."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO_ROOT, SAMPLE_PROMPTS, run, stage_env, write_jsonl
+from dflash_pipeline.config import GenerateConfig
+from dflash_pipeline.generate import GENERATED_SCHEMA, greedy_generate, read_generated, render_prompt, run_generate
+from dflash_pipeline.prompts import read_prompts
+from dflash_pipeline.target import TargetInfo, load_target, prepare_target
+from dflash_pipeline.config import TargetConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("target")
+    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=out)
+    info = TargetInfo.from_json(out / "target.json")
+    model, tokenizer = load_target(info)
+    return info, model, tokenizer, out / "target.json"
+
+
+def _token_ids(tokenizer, count):
+    prompts = read_prompts(write_jsonl_tmp(), val_fraction=0.1).prompts[:count]
+    return [render_prompt(tokenizer, p, system_prompt=None, enable_thinking=False) for p in prompts]
+
+
+def write_jsonl_tmp():
+    import tempfile
+    from pathlib import Path
+
+    return write_jsonl(Path(tempfile.mkdtemp()) / "p.jsonl", SAMPLE_PROMPTS)
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time(tiny_target):
+    info, model, tokenizer, _ = tiny_target
+    prompts = _token_ids(tokenizer, 6)
+    assert len({len(p) for p in prompts}) > 1, "prompts of different lengths exercise left padding"
+    batched = greedy_generate(model, prompts, max_new_tokens=12, eos_ids={2}, pad_id=2)
+    single = [greedy_generate(model, [p], max_new_tokens=12, eos_ids={2}, pad_id=2)[0] for p in prompts]
+    assert [a.token_ids for a in batched] == [a.token_ids for a in single]
+    assert all(a.finish_reason == "length" and len(a.token_ids) == 12 for a in batched)
+
+
+def test_rows_stop_at_eos_and_leave_the_batch(tiny_target):
+    info, model, tokenizer, _ = tiny_target
+    prompts = _token_ids(tokenizer, 4)
+    free = [greedy_generate(model, [p], max_new_tokens=10, eos_ids={2}, pad_id=2)[0].token_ids for p in prompts]
+    # Declare the 4th token of the first answer an EOS token: that row must stop right there while
+    # the others (unless they emit it too) run on, and every row must still match its solo run.
+    stop_token = free[0][3]
+    batched = greedy_generate(model, prompts, max_new_tokens=10, eos_ids={stop_token}, pad_id=2)
+    for answer, solo in zip(batched, free):
+        cut = solo.index(stop_token) + 1 if stop_token in solo else len(solo)
+        assert answer.token_ids == solo[:cut]
+        assert answer.finish_reason == ("stop" if stop_token in solo else "length")
+    assert batched[0].finish_reason == "stop" and len(batched[0].token_ids) <= 4
+
+
+def _config(**overrides) -> GenerateConfig:
+    base = dict(max_prompts=0, max_new_tokens=6, batch_size=3, val_fraction=0.25)
+    base.update(overrides)
+    return GenerateConfig(**base)
+
+
+def test_run_generate_writes_splits_with_exact_token_ids(tiny_target, sample_prompts, tmp_path):
+    info, _, tokenizer, _ = tiny_target
+    config = _config()
+    prompt_set = read_prompts(sample_prompts, val_fraction=config.val_fraction)
+    summary = run_generate(prompt_set, config=config, target=info, out_dir=tmp_path)
+    train, val = read_generated(tmp_path / "train.parquet"), read_generated(tmp_path / "val.parquet")
+    assert train.schema.remove_metadata().equals(GENERATED_SCHEMA)
+    assert train.num_rows + val.num_rows == len(SAMPLE_PROMPTS)
+    assert summary["prompts"] == {"train": train.num_rows, "val": val.num_rows}
+    by_id = {p.id: p for p in prompt_set.prompts}
+    for row in train.to_pylist() + val.to_pylist():
+        prompt = by_id[row["prompt_id"]]
+        assert row["split"] == prompt.split
+        assert row["prompt_ids"] == render_prompt(tokenizer, prompt, system_prompt=None, enable_thinking=False)
+        assert len(row["answer_ids"]) == 6 and row["finish_reason"] == "length"
+    # Pinned validation prompts stay in validation; file order is kept within each split.
+    val_ids = [r["prompt_id"] for r in val.to_pylist()]
+    assert all(by_id[i].split == "val" for i in val_ids)
+    assert {p.id for p in prompt_set.prompts if p.split == "val"} == set(val_ids)
+    settings = json.loads(train.schema.metadata[b"dflash.generation_settings"])
+    assert settings["target_fingerprint"] == info.fingerprint and settings["max_new_tokens"] == 6
+
+
+def test_system_prompt_and_thinking_flag_are_applied_and_recorded(tiny_target, sample_prompts, tmp_path):
+    info, _, tokenizer, _ = tiny_target
+    config = _config(system_prompt="You answer tersely.", enable_thinking=True)
+    prompt_set = read_prompts(sample_prompts, val_fraction=0.25, limit=2)
+    summary = run_generate(prompt_set, config=config, target=info, out_dir=tmp_path)
+    row = pq.read_table(tmp_path / "train.parquet").to_pylist()[0]
+    assert "You answer tersely." in tokenizer.decode(row["prompt_ids"])
+    assert summary["settings"]["system_prompt"] == "You answer tersely."
+    assert summary["settings"]["enable_thinking"] is True
+
+
+def test_changed_settings_discard_cached_answers(tiny_target, sample_prompts, tmp_path):
+    info, _, _, _ = tiny_target
+    prompt_set = read_prompts(sample_prompts, val_fraction=0.25)
+    run_generate(prompt_set, config=_config(max_new_tokens=4), target=info, out_dir=tmp_path)
+    again = run_generate(prompt_set, config=_config(max_new_tokens=4, batch_size=5), target=info, out_dir=tmp_path)
+    assert again["reused_answers"] == len(SAMPLE_PROMPTS) and again["this_run"]["prompts"] == 0
+    longer = run_generate(prompt_set, config=_config(max_new_tokens=7), target=info, out_dir=tmp_path)
+    assert longer["reused_answers"] == 0
+    rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert all(len(r["answer_ids"]) == 7 for r in rows)
+
+
+def _many_prompts(path, count):
+    rows = [{"prompt": f"Question number {i}: what is {i} plus {i * 3}?", "category": "math"} for i in range(count)]
+    return write_jsonl(path, rows)
+
+
+def _generate_cmd(tmp_path, prompts, target_json, out):
+    params = tmp_path / "params.yaml"
+    params.write_text((REPO_ROOT / "params.yaml").read_text().replace("batch_size: 64", "batch_size: 1")
+                      .replace("max_new_tokens: 256", "max_new_tokens: 24").replace("max_prompts: 256", "max_prompts: 0"))
+    return [sys.executable, str(REPO_ROOT / "stages" / "generate.py"), "--params", str(params), "--prompts", str(prompts),
+            "--target", str(target_json), "--out", str(out), "--device", "cpu"]
+
+
+def test_kill_9_then_rerun_resumes_without_loss_or_duplicates(tiny_target, tmp_path):
+    _, _, _, target_json = tiny_target
+    prompts = _many_prompts(tmp_path / "many.jsonl", 40)
+    reference = tmp_path / "reference"
+    run(_generate_cmd(tmp_path, prompts, target_json, reference), cwd=tmp_path)
+
+    out = tmp_path / "killed"
+    process = subprocess.Popen(_generate_cmd(tmp_path, prompts, target_json, out), cwd=tmp_path, env=stage_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((out / "chunks").glob("chunk-*.parquet"))) < 3:
+        assert process.poll() is None, "the run finished before it could be killed; make it longer"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    written = len(list((out / "chunks").glob("chunk-*.parquet")))
+    assert 3 <= written < 40 and not (out / "train.parquet").exists()
+
+    result = run(_generate_cmd(tmp_path, prompts, target_json, out), cwd=tmp_path)
+    assert f"resuming, {written} of 40 prompts already answered" in result.stdout
+    for split in ("train", "val"):
+        resumed = pq.read_table(out / f"{split}.parquet").to_pylist()
+        expected = pq.read_table(reference / f"{split}.parquet").to_pylist()
+        assert resumed == expected
+    ids = [r["prompt_id"] for s in ("train", "val") for r in pq.read_table(out / f"{s}.parquet").to_pylist()]
+    assert len(ids) == len(set(ids)) == 40
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reused_answers"] == written and summary["this_run"]["prompts"] == 40 - written
+
+
+def test_stage_reports_a_bad_prompt_row_as_one_line(tiny_target, tmp_path):
+    _, _, _, target_json = tiny_target
+    prompts = write_jsonl(tmp_path / "bad.jsonl", [SAMPLE_PROMPTS[0], '{"prompt": "unterminated'])
+    result = run(_generate_cmd(tmp_path, prompts, target_json, tmp_path / "out"), cwd=tmp_path, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {prompts}:2: malformed JSON")

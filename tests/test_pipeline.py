@@ -1,0 +1,98 @@
+"""The pipeline as users drive it: real `dvc repro` in a fresh git repo on the tiny target."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import SAMPLE_PROMPTS, run, set_params, stage_env, write_jsonl
+
+
+@pytest.fixture
+def tiny_pipeline(pipeline_repo, tiny_llama_dir):
+    prompts = [{"prompt": f"Give me fact number {i} about the number {i * 7}.", "category": "chat"} for i in range(30)]
+    write_jsonl(pipeline_repo / "data" / "prompts" / "small.jsonl", SAMPLE_PROMPTS + prompts)
+    set_params(
+        pipeline_repo,
+        target={"model": str(tiny_llama_dir)},
+        generate={"prompts": "data/prompts/small.jsonl", "max_prompts": 8, "max_new_tokens": 8, "batch_size": 4},
+    )
+    return pipeline_repo
+
+
+def dvc(repo, *args, check=True):
+    return run(["dvc", *args], cwd=repo, check=check)
+
+
+def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
+    repo = tiny_pipeline
+    first = dvc(repo, "repro")
+    assert "Running stage 'target'" in first.stdout and "Running stage 'generate'" in first.stdout
+    train = pq.read_table(repo / "data" / "generated" / "train.parquet")
+    val = pq.read_table(repo / "data" / "generated" / "val.parquet")
+    assert train.num_rows + val.num_rows == 8
+    assert json.loads((repo / "data" / "target" / "target.json").read_text())["num_layers"] == 4
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "first run"], repo)
+
+    second = dvc(repo, "repro")
+    assert "Running stage" not in second.stdout
+    assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
+
+    # A generate parameter makes generate stale, not target.
+    set_params(repo, generate={"max_new_tokens": 5})
+    third = dvc(repo, "repro")
+    assert "Running stage 'generate'" in third.stdout and "Running stage 'target'" not in third.stdout
+    rows = pq.read_table(repo / "data" / "generated" / "train.parquet").to_pylist()
+    assert all(len(r["answer_ids"]) == 5 for r in rows)
+
+    # More prompts reuse every answer already generated with the same settings.
+    set_params(repo, generate={"max_prompts": 12})
+    fourth = dvc(repo, "repro")
+    assert "resuming, 8 of 12 prompts already answered" in fourth.stdout
+    summary = json.loads((repo / "data" / "generated" / "summary.json").read_text())
+    assert summary["reused_answers"] == 8 and summary["this_run"]["prompts"] == 4
+
+
+def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
+    repo = tiny_pipeline
+    dvc(repo, "repro")
+    set_params(repo, target={"model": str(tiny_qwen3_dir)})
+    again = dvc(repo, "repro")
+    assert "Running stage 'target'" in again.stdout and "Running stage 'generate'" in again.stdout
+    assert "discarded" in again.stdout  # answers of the old target are not reused
+
+
+def test_kill_9_during_dvc_repro_then_repro_resumes(tiny_pipeline):
+    repo = tiny_pipeline
+    set_params(repo, generate={"max_prompts": 38, "batch_size": 1, "max_new_tokens": 24})
+    dvc(repo, "repro", "target")
+    process = subprocess.Popen(["dvc", "repro"], cwd=repo, env=stage_env(), start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    chunks = repo / "data" / "generated" / "chunks"
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(chunks.glob("chunk-*.parquet"))) < 3:
+        assert process.poll() is None, "dvc repro finished before it could be killed"
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    written = len(list(chunks.glob("chunk-*.parquet")))
+    assert 3 <= written < 38
+
+    resumed = dvc(repo, "repro")
+    assert f"resuming, {written} of 38 prompts already answered" in resumed.stdout
+    rows = [r for s in ("train", "val") for r in pq.read_table(repo / "data" / "generated" / f"{s}.parquet").to_pylist()]
+    assert len(rows) == len({r["prompt_id"] for r in rows}) == 38
+
+
+def test_bad_param_fails_the_stage_with_the_key(tiny_pipeline):
+    repo = tiny_pipeline
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("batch_size: 4", "batch_sise: 4"))
+    result = dvc(repo, "repro", check=False)
+    assert result.returncode != 0
+    assert "error: params.yaml: unknown key 'generate.batch_sise'" in result.stderr + result.stdout
