@@ -149,3 +149,27 @@ def set_params(repo: Path, **sections) -> None:
     for section, values in sections.items():
         params[section].update(values)
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def write_generated(folder, rows_per_split, *, seed=0, prompt_len=(20, 60), answer_len=(10, 200)):
+    """A fabricated generate-stage output (random ids) so capture tests control the shapes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from dflash_pipeline.generate import GENERATED_SCHEMA
+
+    generator = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in rows_per_split.items():
+        rows = []
+        for index in range(count):
+            p = int(torch.randint(*prompt_len, (1,), generator=generator))
+            a = int(torch.randint(*answer_len, (1,), generator=generator))
+            rows.append({"prompt_id": f"{split}{index:014d}", "category": "chat", "split": split,
+                         "messages": [{"role": "user", "content": "x"}],
+                         "prompt_ids": torch.randint(3, 49152, (p,), generator=generator).tolist(),
+                         "answer_ids": torch.randint(3, 49152, (a,), generator=generator).tolist(),
+                         "finish_reason": "length"})
+        pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), folder / f"{split}.parquet")
+    return folder

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import SAMPLE_PROMPTS, run, set_params, stage_env, write_jsonl
+from dflash_pipeline.shards import open_split
 
 
 @pytest.fixture
@@ -20,6 +21,8 @@ def tiny_pipeline(pipeline_repo, tiny_llama_dir):
         pipeline_repo,
         target={"model": str(tiny_llama_dir)},
         generate={"prompts": "data/prompts/small.jsonl", "max_prompts": 8, "max_new_tokens": 8, "batch_size": 4},
+        capture={"layer_ids": [1, 3], "shard_mb": 1},
+        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "eval_blocks": 16, "tokens_per_step": 256},
     )
     return pipeline_repo
 
@@ -31,11 +34,15 @@ def dvc(repo, *args, check=True):
 def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
     repo = tiny_pipeline
     first = dvc(repo, "repro")
-    assert "Running stage 'target'" in first.stdout and "Running stage 'generate'" in first.stdout
+    for stage in ("target", "generate", "capture"):
+        assert f"Running stage '{stage}'" in first.stdout
     train = pq.read_table(repo / "data" / "generated" / "train.parquet")
     val = pq.read_table(repo / "data" / "generated" / "val.parquet")
     assert train.num_rows + val.num_rows == 8
-    assert json.loads((repo / "data" / "target" / "target.json").read_text())["num_layers"] == 4
+    target = json.loads((repo / "data" / "target" / "target.json").read_text())
+    assert target["num_layers"] == 4
+    shards = open_split(repo / "data" / "hidden" / "train", expected_fingerprint=target["fingerprint"])
+    assert len(shards) == train.num_rows and shards.manifest.layer_ids == [1, 3]
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "first run"], repo)
 
@@ -43,12 +50,21 @@ def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
     assert "Running stage" not in second.stdout
     assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
 
-    # A generate parameter makes generate stale, not target.
+    # A capture parameter reruns capture only.
+    set_params(repo, capture={"feature_dtype": "fp8_e4m3"})
+    capture_only = dvc(repo, "repro")
+    assert "Running stage 'capture'" in capture_only.stdout
+    assert "Running stage 'generate'" not in capture_only.stdout and "Running stage 'target'" not in capture_only.stdout
+    assert open_split(repo / "data" / "hidden" / "val").manifest.feature_dtype == "fp8_e4m3"
+
+    # A generate parameter makes generate and what follows it stale, not target.
     set_params(repo, generate={"max_new_tokens": 5})
     third = dvc(repo, "repro")
-    assert "Running stage 'generate'" in third.stdout and "Running stage 'target'" not in third.stdout
+    assert "Running stage 'generate'" in third.stdout and "Running stage 'capture'" in third.stdout
+    assert "Running stage 'target'" not in third.stdout
     rows = pq.read_table(repo / "data" / "generated" / "train.parquet").to_pylist()
     assert all(len(r["answer_ids"]) == 5 for r in rows)
+    assert sum(open_split(repo / "data" / "hidden" / "train").lengths()) == sum(len(r["prompt_ids"]) + 5 for r in rows)
 
     # More prompts reuse every answer already generated with the same settings.
     set_params(repo, generate={"max_prompts": 12})
@@ -63,8 +79,12 @@ def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
     dvc(repo, "repro")
     set_params(repo, target={"model": str(tiny_qwen3_dir)})
     again = dvc(repo, "repro")
-    assert "Running stage 'target'" in again.stdout and "Running stage 'generate'" in again.stdout
+    for stage in ("target", "generate", "capture"):
+        assert f"Running stage '{stage}'" in again.stdout
     assert "discarded" in again.stdout  # answers of the old target are not reused
+    target = json.loads((repo / "data" / "target" / "target.json").read_text())
+    assert target["architecture"] == "Qwen3ForCausalLM"
+    open_split(repo / "data" / "hidden" / "train", expected_fingerprint=target["fingerprint"])
 
 
 def test_kill_9_during_dvc_repro_then_repro_resumes(tiny_pipeline):

@@ -58,18 +58,111 @@ class GenerateConfig:
             ("max_prompt_tokens", self.max_prompt_tokens >= 1, "must be >= 1"),
             ("batch_size", self.batch_size >= 1, "must be >= 1"),
         ]
-        for key, ok, why in checks:
-            if not ok:
-                raise PipelineError(f"{source}: key 'generate.{key}' {why}, got {getattr(self, key)!r}")
+        _check(checks, self, "generate", source)
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    # How many target layers to tap when layer_ids is null: DFlash's evenly spaced default,
+    # build_target_layer_ids(L, num_layers).
+    num_layers: int = 5
+    # Explicit target layer ids (id i = output of decoder layer i); overrides num_layers.
+    layer_ids: list[int] | None = None
+    # "bf16" (bit-exact 16-bit) or "fp8_e4m3" (half the bytes, one scale per token).
+    feature_dtype: str = "bf16"
+    # Sequences longer than this (prompt + answer tokens) are truncated or skipped.
+    max_length: int = 2048
+    # "truncate" or "skip".
+    on_too_long: str = "truncate"
+    # Padded tokens per forward batch (sequences of similar length are batched together).
+    batch_tokens: int = 8192
+    # Target size of one shard file, in MiB.
+    shard_mb: int = 256
+
+    def validate(self, source: str) -> None:
+        checks = [
+            ("num_layers", self.num_layers >= 1, "must be >= 1"),
+            ("layer_ids", self.layer_ids is None or (len(self.layer_ids) > 0 and all(i >= 0 for i in self.layer_ids)),
+             "must be null or a non-empty list of layer ids >= 0"),
+            ("feature_dtype", self.feature_dtype in ("bf16", "fp8_e4m3"), "must be 'bf16' or 'fp8_e4m3'"),
+            ("max_length", self.max_length >= 2, "must be >= 2"),
+            ("on_too_long", self.on_too_long in ("truncate", "skip"), "must be 'truncate' or 'skip'"),
+            ("batch_tokens", self.batch_tokens >= 1, "must be >= 1"),
+            ("shard_mb", self.shard_mb >= 1, "must be >= 1"),
+        ]
+        _check(checks, self, "capture", source)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # Drafter decoder layers (released DFlash drafters use 5; 1 trains fastest on a CPU).
+    num_layers: int = 1
+    # Block size B: one forward drafts B-1 tokens. 16 as released; 8 learns faster at small scale.
+    block_size: int = 16
+    # Loss decay over slots, exp(-(k-1)/gamma); null: 7 for B=16, 4 for B=8.
+    gamma: float | None = None
+    # Mask token id; null: an unused embedding row, else a special token absent from the data.
+    mask_token_id: int | None = None
+    # "random" or "target_top_layers" (copy the target's last num_layers decoder layers).
+    init: str = "random"
+    # Context keys further back than this many positions are not attended; null: all.
+    sliding_window: int | None = None
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    # Linear warmup over this fraction of max_steps, then cosine decay to 10% of lr.
+    warmup_fraction: float = 0.04
+    grad_clip: float = 1.0
+    max_steps: int = 400
+    # Context tokens packed into one step (whole sequences; a longer one is a step alone).
+    tokens_per_step: int = 2048
+    # Anchors drawn per sequence per step (the reference recipe uses 512 at 3K tokens).
+    anchors_per_sequence: int = 16
+    # Positions per LM-head chunk: bounds the logits memory to chunk x vocab.
+    logits_chunk: int = 1024
+    # Held-out teacher-forced tau every eval_every steps, on eval_blocks fixed val blocks.
+    eval_every: int = 50
+    eval_blocks: int = 512
+    save_every: int = 100
+    seed: int = 0
+    # Continue from the last checkpoint of the same configuration; false starts fresh.
+    resume: bool = True
+
+    def validate(self, source: str) -> None:
+        checks = [
+            ("num_layers", self.num_layers >= 1, "must be >= 1"),
+            ("block_size", self.block_size >= 2, "must be >= 2"),
+            ("gamma", self.gamma is None or self.gamma > 0, "must be null or > 0"),
+            ("init", self.init in ("random", "target_top_layers"), "must be 'random' or 'target_top_layers'"),
+            ("sliding_window", self.sliding_window is None or self.sliding_window >= 1, "must be null or >= 1"),
+            ("lr", self.lr > 0, "must be > 0"),
+            ("warmup_fraction", 0 <= self.warmup_fraction < 1, "must be in [0, 1)"),
+            ("grad_clip", self.grad_clip > 0, "must be > 0"),
+            ("max_steps", self.max_steps >= 1, "must be >= 1"),
+            ("tokens_per_step", self.tokens_per_step >= 1, "must be >= 1"),
+            ("anchors_per_sequence", self.anchors_per_sequence >= 1, "must be >= 1"),
+            ("logits_chunk", self.logits_chunk >= 1, "must be >= 1"),
+            ("eval_every", self.eval_every >= 1, "must be >= 1"),
+            ("eval_blocks", self.eval_blocks >= 1, "must be >= 1"),
+            ("save_every", self.save_every >= 1, "must be >= 1"),
+        ]
+        _check(checks, self, "train", source)
 
 
 @dataclass(frozen=True)
 class Params:
     target: TargetConfig
     generate: GenerateConfig
+    capture: CaptureConfig
+    train: TrainConfig
 
 
-SECTIONS: dict[str, type] = {"target": TargetConfig, "generate": GenerateConfig}
+SECTIONS: dict[str, type] = {"target": TargetConfig, "generate": GenerateConfig, "capture": CaptureConfig, "train": TrainConfig}
+
+
+def _check(checks: list, config: object, section: str, source: str) -> None:
+    for key, ok, why in checks:
+        if not ok:
+            raise PipelineError(f"{source}: key '{section}.{key}' {why}, got {getattr(config, key)!r}")
 
 
 def _type_ok(value: object, annotation: object) -> bool:
@@ -85,8 +178,9 @@ def _type_ok(value: object, annotation: object) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is list:
-        return isinstance(value, list)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
     return isinstance(value, annotation)  # type: ignore[arg-type]
 
 

@@ -1,0 +1,406 @@
+"""Stage `capture`: one target forward per sequence; selected layers' outputs into Arrow shards.
+
+Input: `data/generated/{train,val}.parquet` (exact token ids from `generate`) and the target.
+Output per split: `shard-NNNNN.arrow` files and `manifest.json` (format in `shards.py`), plus
+`capture.json`, the settings and plan the shards were made with.
+
+Layer id i means the OUTPUT of decoder layer i, i.e. `output_hidden_states[i + 1]` in
+transformers (index 0 is the embedding output; the last entry is taken after the final norm, as
+transformers reports it). Forward hooks keep only the selected layers, never all L + 1 states.
+
+The work is planned before it starts: sequences sorted by length, cut into shards of about
+`shard_mb`, each shard cut into batches of at most `batch_tokens` padded tokens. The plan alone
+decides what goes where, so a rerun after kill -9 skips the shards already renamed into place
+and rewrites the rest byte for byte the same, and under torchrun rank r simply takes shards
+r, r + world, ... of the same plan (rank 0 writes the manifests once all ranks are done).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_pipeline.config import CaptureConfig, as_dict
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.generate import read_generated
+from dflash_pipeline.shards import (
+    SHARD_GLOB,
+    Manifest,
+    ShardInfo,
+    ShardWriter,
+    bytes_per_token,
+    sha256_file,
+)
+from dflash_pipeline.target import TargetInfo
+
+SPLITS = ("train", "val")
+
+
+def build_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """DFlash's default taps: the middle layer for one; else evenly spaced over [1, L - 3]."""
+    if count < 1:
+        raise PipelineError(f"capture.num_layers must be >= 1, got {count}")
+    if count == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    return [int(round(first + index * (last - first) / (count - 1))) for index in range(count)]
+
+
+def resolve_layer_ids(config: CaptureConfig, num_target_layers: int) -> list[int]:
+    layer_ids = list(config.layer_ids) if config.layer_ids is not None else build_target_layer_ids(num_target_layers, config.num_layers)
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < num_target_layers:
+            raise PipelineError(f"params.yaml: capture.layer_ids has {layer_id}, outside 0..{num_target_layers - 1} for this target")
+    if len(set(layer_ids)) != len(layer_ids):
+        if config.layer_ids is None:
+            raise PipelineError(
+                f"params.yaml: capture.num_layers={config.num_layers} repeats layers {layer_ids} on a "
+                f"{num_target_layers}-layer target; set capture.layer_ids explicitly"
+            )
+        raise PipelineError(f"params.yaml: capture.layer_ids {layer_ids} repeats a layer")
+    return layer_ids
+
+
+@dataclass(frozen=True)
+class Sequence:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def load_sequences(path: Path, *, max_length: int, on_too_long: str) -> tuple[list[Sequence], Counter]:
+    """Prompt + answer ids with the loss mask on the answer; odd rows are counted, not fatal."""
+    stats: Counter = Counter()
+    sequences = []
+    for row in read_generated(path).to_pylist():
+        prompt, answer = row["prompt_ids"], row["answer_ids"]
+        stats["rows"] += 1
+        if not answer:
+            stats["skipped_empty_answer"] += 1
+            continue
+        if not prompt:
+            stats["all_answer_tokens"] += 1  # kept: the mask is all ones, which training handles
+        input_ids, loss_mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
+        if len(input_ids) > max_length:
+            if on_too_long == "skip":
+                stats["skipped_too_long"] += 1
+                continue
+            input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+            stats["truncated"] += 1
+            if sum(loss_mask) == 0:
+                stats["skipped_no_answer_within_max_length"] += 1
+                continue
+        sequences.append(Sequence(row["prompt_id"], input_ids, loss_mask))
+    return sequences, stats
+
+
+def plan_shards(sequences: list[Sequence], *, token_bytes: int, shard_bytes: int, batch_tokens: int) -> list[list[list[int]]]:
+    """Shards -> batches -> sequence indices, longest sequences first (memory peaks at once)."""
+    order = sorted(range(len(sequences)), key=lambda i: (-len(sequences[i].input_ids), sequences[i].id))
+    shards: list[list[list[int]]] = []
+    shard: list[list[int]] = []
+    batch: list[int] = []
+    shard_size = 0
+    for index in order:
+        length = len(sequences[index].input_ids)
+        # Padded size of the batch if this sequence joins it: the first (longest) sets the width.
+        width = len(sequences[batch[0]].input_ids) if batch else length
+        if batch and (len(batch) + 1) * width > batch_tokens:
+            shard.append(batch)
+            batch = []
+        if shard_size and shard_size + length * token_bytes > shard_bytes:
+            if batch:
+                shard.append(batch)
+                batch = []
+            shards.append(shard)
+            shard, shard_size = [], 0
+        batch.append(index)
+        shard_size += length * token_bytes
+    if batch:
+        shard.append(batch)
+    if shard:
+        shards.append(shard)
+    return shards
+
+
+class LayerTap:
+    """Forward hooks that keep the outputs of the selected decoder layers, nothing else."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        decoder = model.get_decoder()
+        self.layer_ids = layer_ids
+        self.outputs: dict[int, object] = {}
+        self._handles = []
+        last = len(decoder.layers) - 1
+        for layer_id in layer_ids:
+            # transformers reports the last layer's output after the final norm; match that.
+            module = decoder.norm if layer_id == last else decoder.layers[layer_id]
+            self._handles.append(module.register_forward_hook(self._keeper(layer_id)))
+
+    def _keeper(self, layer_id: int):
+        def keep(module, args, output):
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def features(self):
+        """[B, T, len(layer_ids) * H], in layer_ids order."""
+        import torch
+
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def forward_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, logits_chunk: int = 2048):
+    """Run one right-padded batch; return per-sequence (features [S, W], target_next [S]).
+
+    Right padding needs no attention mask: with causal attention a real token never sees the
+    padding after it. The LM head runs in chunks of positions, so [tokens, vocab] logits for the
+    whole batch never exist at once.
+    """
+    import torch
+
+    device = next(model.parameters()).device
+    width = max(len(s.input_ids) for s in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    for row, sequence in enumerate(batch):
+        input_ids[row, : len(sequence.input_ids)] = torch.tensor(sequence.input_ids)
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        next_tokens = torch.cat(
+            [model.lm_head(flat[i : i + logits_chunk]).argmax(-1) for i in range(0, flat.shape[0], logits_chunk)]
+        ).view(len(batch), width)
+        features = tap.features()
+    results = []
+    for row, sequence in enumerate(batch):
+        length = len(sequence.input_ids)
+        results.append((features[row, :length].to("cpu"), next_tokens[row, :length].to("cpu", torch.int32)))
+    return results
+
+
+def capture_settings(config: CaptureConfig, target: TargetInfo, layer_ids: list[int], compute_dtype: str) -> dict:
+    """Everything that changes the bytes of a shard; old shards are reused only when it matches."""
+    return {
+        "target_fingerprint": target.fingerprint,
+        "layer_ids": layer_ids,
+        "feature_dtype": config.feature_dtype,
+        "max_length": config.max_length,
+        "on_too_long": config.on_too_long,
+        "batch_tokens": config.batch_tokens,
+        "shard_mb": config.shard_mb,
+        "compute_dtype": compute_dtype,
+    }
+
+
+def _plan_digest(sequences: list[Sequence]) -> str:
+    digest = hashlib.sha256()
+    for sequence in sequences:
+        digest.update(sequence.id.encode() + b":" + ",".join(map(str, sequence.input_ids)).encode() + b";")
+        digest.update(bytes(sequence.loss_mask))
+    return digest.hexdigest()
+
+
+def _prepare_split_folder(folder: Path, record: dict) -> int:
+    """Keep shards only when they were made with this exact record; return how many were dropped."""
+    record_path = folder / "capture.json"
+    dropped = 0
+    if folder.is_dir():
+        try:
+            previous = json.loads(record_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            previous = None
+        if previous != record:
+            dropped = len(list(folder.glob(SHARD_GLOB)))
+            shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.glob("*.tmp"):
+        leftover.unlink()  # a shard or manifest whose writer was killed before its rename
+    if not record_path.is_file():
+        tmp = record_path.with_name("capture.json.tmp")
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, record_path)
+    return dropped
+
+
+def _shard_name(number: int) -> str:
+    return f"shard-{number:05d}.arrow"
+
+
+def _shard_complete(path: Path, sequences: int) -> bool:
+    import pyarrow as pa
+
+    if not path.is_file():
+        return False
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(path), "r")).num_record_batches == sequences
+    except (OSError, pa.ArrowInvalid):
+        return False
+
+
+def _warmup_tokens_per_s(model, tap, sequences: list[Sequence], pad_id: int) -> float:
+    """Time one small forward to estimate the run's duration before it starts."""
+    sample = sorted(sequences, key=lambda s: len(s.input_ids))[: max(1, min(len(sequences), 4))]
+    forward_batch(model, tap, sample, pad_id=pad_id)  # first call pays one-time costs
+    started = time.perf_counter()
+    forward_batch(model, tap, sample, pad_id=pad_id)
+    return sum(len(s.input_ids) for s in sample) / max(time.perf_counter() - started, 1e-6)
+
+
+def _format_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1024 or unit == "TB":
+            return f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TB"
+
+
+def capture_split(
+    sequences: list[Sequence],
+    stats: Counter,
+    *,
+    split: str,
+    model,
+    tap: LayerTap,
+    target: TargetInfo,
+    config: CaptureConfig,
+    layer_ids: list[int],
+    out_dir: Path,
+    pad_id: int,
+    rank: int = 0,
+    world: int = 1,
+    barrier=None,
+) -> Manifest | None:
+    """Capture one split into `out_dir`; return its manifest (rank 0) or None (other ranks)."""
+    from tqdm import tqdm
+
+    compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    width = len(layer_ids) * target.hidden_size
+    token_bytes = bytes_per_token(width, config.feature_dtype)
+    plan = plan_shards(sequences, token_bytes=token_bytes, shard_bytes=config.shard_mb << 20, batch_tokens=config.batch_tokens)
+    record = {"settings": capture_settings(config, target, layer_ids, compute_dtype), "plan_sha256": _plan_digest(sequences)}
+    shard_sequences = [sum(len(batch) for batch in shard) for shard in plan]
+    shard_tokens = [sum(len(sequences[i].input_ids) for batch in shard for i in batch) for shard in plan]
+    total_tokens = sum(shard_tokens)
+    if rank == 0:
+        # Decide, estimate and check the disk before any rank writes a byte.
+        dropped = _prepare_split_folder(out_dir, record)
+        if dropped:
+            print(f"capture {split}: inputs or settings changed; removed {dropped} old shard(s)")
+        missing = [n for n in range(len(plan)) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]
+        missing_tokens = sum(shard_tokens[n] for n in missing)
+        line = (
+            f"capture {split}: {len(sequences)} sequences, {total_tokens:,} tokens in {len(plan)} shard(s), "
+            f"{len(plan) - len(missing)} already done; layers {layer_ids} x {target.hidden_size} in {config.feature_dtype} "
+            f"= {token_bytes} B/token -> {_format_bytes(total_tokens * token_bytes)}"
+        )
+        if missing:
+            rate = _warmup_tokens_per_s(model, tap, sequences, pad_id) * world
+            line += f"; about {missing_tokens / rate / 60:.1f} min at {rate:.0f} tokens/s (warm-up batch)"
+        print(line)
+        needed, free = missing_tokens * token_bytes, shutil.disk_usage(out_dir).free
+        if needed * 1.02 > free:
+            raise PipelineError(
+                f"{out_dir}: capture needs about {_format_bytes(needed)} for shards, only {_format_bytes(free)} free on that disk"
+            )
+    if barrier is not None:
+        barrier()
+    todo = [n for n in range(rank, len(plan), world) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]
+    todo_tokens = sum(shard_tokens[n] for n in todo)
+    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture {split}", disable=rank != 0 or not todo,
+               dynamic_ncols=True, smoothing=0.1)
+    try:
+        for number in todo:
+            writer = ShardWriter(out_dir / _shard_name(number), feature_dtype=config.feature_dtype, feature_width=width)
+            try:
+                for batch_indices in plan[number]:
+                    batch = [sequences[i] for i in batch_indices]
+                    for sequence, (features, target_next) in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id)):
+                        writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, target_next.numpy(), features)
+                    bar.update(sum(len(s.input_ids) for s in batch))
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    finally:
+        bar.close()
+    if barrier is not None:
+        barrier()
+    if rank != 0:
+        return None
+    shards = []
+    for number in range(len(plan)):
+        path = out_dir / _shard_name(number)
+        shards.append(ShardInfo(path.name, shard_sequences[number], shard_tokens[number], path.stat().st_size, sha256_file(path)))
+    manifest = Manifest(
+        split=split,
+        target_fingerprint=target.fingerprint,
+        layer_ids=layer_ids,
+        hidden_size=target.hidden_size,
+        num_target_layers=target.num_layers,
+        feature_dtype=config.feature_dtype,
+        feature_width=width,
+        sequences=len(sequences),
+        tokens=total_tokens,
+        loss_tokens=sum(sum(s.loss_mask) for s in sequences),
+        shards=shards,
+        stats=dict(stats),
+    )
+    manifest.save(out_dir)
+    return manifest
+
+
+def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str) -> dict:
+    """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    from dflash_pipeline.target import load_target
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    barrier = None
+    if world > 1:
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend=backend)
+        barrier = dist.barrier
+    try:
+        layer_ids = resolve_layer_ids(config, target.num_layers)
+        model, tokenizer = load_target(target, device=device)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        tap = LayerTap(model, layer_ids)
+        summary = {"layer_ids": layer_ids, "splits": {}}
+        for split in SPLITS:
+            sequences, stats = load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
+            started = time.perf_counter()
+            manifest = capture_split(
+                sequences, stats, split=split, model=model, tap=tap, target=target, config=config,
+                layer_ids=layer_ids, out_dir=out_dir / split, pad_id=pad_id, rank=rank, world=world, barrier=barrier,
+            )
+            if manifest is not None:
+                summary["splits"][split] = {
+                    "sequences": manifest.sequences,
+                    "tokens": manifest.tokens,
+                    "loss_tokens": manifest.loss_tokens,
+                    "shards": len(manifest.shards),
+                    "bytes": sum(s.bytes for s in manifest.shards),
+                    "seconds": round(time.perf_counter() - started, 2),
+                    "stats": manifest.stats,
+                }
+        tap.remove()
+        summary["config"] = as_dict(config)
+        return summary
+    finally:
+        if world > 1:
+            dist.destroy_process_group()

@@ -1,0 +1,322 @@
+"""The DFlash drafter: a few Qwen3-style layers that draft a whole block in one forward.
+
+References: DFlash (arXiv 2602.06036, z-lab/dflash), SpecForge's trainer; facts in DFLASH.md.
+
+    features [S, N*H] --fc--> hidden_norm --> context c [S, H]      (target layers' outputs)
+    block ids [B] = [anchor, mask, ..., mask] --frozen embed--> x [B, H]
+    each layer:  q = q_proj(norm(x));  k, v = [k/v_proj(c) ; k/v_proj(norm(x))]
+                 q_norm / k_norm per head, RoPE at absolute positions (context 0..S-1,
+                 block a..a+B-1), attention bidirectional inside the block, SwiGLU MLP
+    norm(x) --frozen lm_head--> logits of slots 1..B-1
+
+The drafter owns no embedding and no LM head: `TargetHead` holds the target's two frozen
+tensors, read straight from its weight files. Training drafts every anchor block of a packed
+batch of sequences in one forward (`forward_blocks`, with the DFlash mask); inference keeps a
+KV cache of the context (`DraftCache`, `draft_block`).
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int  # B: slot 0 is the anchor, slots 1..B-1 are drafted
+    target_layer_ids: tuple[int, ...]  # id i = output of target decoder layer i
+    num_target_layers: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    sliding_window: int | None = None  # context keys further back than this are not attended
+    hidden_act: str = "silu"
+    extra: dict = field(default_factory=dict)  # recorded, not used: e.g. how the mask token was chosen
+
+    @property
+    def feature_width(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["target_layer_ids"] = list(self.target_layer_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DrafterConfig":
+        data = dict(data)
+        data["target_layer_ids"] = tuple(data["target_layer_ids"])
+        return cls(**data)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos, sin of shape [*positions.shape, head_dim] for the rotate-half RoPE convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # [..., head_dim / 2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, head_dim] rotated by cos/sin [..., T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H] -> k, v [T, kv_heads, head_dim] (k normed and rotated)."""
+        k = self.k_norm(self.k_proj(x).view(x.shape[0], self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
+        return apply_rope(k, cos, sin), v
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim))
+        return apply_rope(q, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [Q, heads, d], k/v [K, kv_heads, d], mask [Q, K] (True = visible) -> [Q, heads * d]."""
+        group = self.heads // self.kv_heads
+        q = q.transpose(0, 1)[None]  # [1, heads, Q, d]
+        k = k.transpose(0, 1)[None].repeat_interleave(group, dim=1)
+        v = v.transpose(0, 1)[None].repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None])
+        return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[2], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, context, rope_block, rope_context, mask, cached_kv=None):
+        """x [Q, H] block tokens; context [C, H] projected features (or cached_kv); mask [Q, C + Q]."""
+        attn = self.self_attn
+        normed = self.input_layernorm(x)
+        q = attn.queries(normed, *rope_block)
+        k_block, v_block = attn.keys_values(normed, *rope_block)
+        k_ctx, v_ctx = cached_kv if cached_kv is not None else attn.keys_values(context, *rope_context)
+        k, v = torch.cat([k_ctx, k_block]), torch.cat([v_ctx, v_block])
+        x = x + attn.attend(q, k, v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.feature_width, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [C, N*H] (any float dtype) -> context [C, H]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def forward_blocks(
+        self,
+        features: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_embeddings: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Draft many blocks in one forward.
+
+        features [C, N*H] and context_positions [C]: the context of every sequence, packed;
+        block_embeddings [Q, H] and block_positions [Q]: all blocks, flattened (Q = blocks * B);
+        mask [Q, C + Q] bool: which keys each block query may see (see `dflash_mask`).
+        Returns the final-norm hidden states [Q, H]; slots 1..B-1 of each block feed the head.
+        """
+        context = self.project_context(features)
+        dtype = block_embeddings.dtype
+        rope_context, rope_block = self._rope(context_positions, dtype), self._rope(block_positions, dtype)
+        x = block_embeddings
+        for layer in self.layers:
+            x = layer(x, context, rope_block, rope_context, mask)
+        return self.norm(x)
+
+
+def dflash_mask(
+    context_sequence: torch.Tensor,
+    context_positions: torch.Tensor,
+    block_sequence: torch.Tensor,
+    block_anchor: torch.Tensor,
+    block_index: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """The DFlash training mask [Q, C + Q] (True = visible), built with tensor ops.
+
+    A block query (its block drafted from anchor a of sequence s) sees the context keys of
+    sequence s at positions j < a (the anchor's own features do not exist yet at inference),
+    and every key of its own block (bidirectional); nothing of other blocks or sequences.
+    """
+    same_sequence = block_sequence[:, None] == context_sequence[None, :]
+    before_anchor = context_positions[None, :] < block_anchor[:, None]
+    visible_context = same_sequence & before_anchor
+    if sliding_window is not None:
+        visible_context &= context_positions[None, :] >= block_anchor[:, None] - sliding_window
+    same_block = block_index[:, None] == block_index[None, :]
+    return torch.cat([visible_context, same_block], dim=1)
+
+
+class TargetHead(nn.Module):
+    """The target's frozen input embedding and LM head (the same tensor when tied)."""
+
+    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("embed_weight", embed_weight, persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+
+
+class DraftCache:
+    """Per-layer context keys/values of one sequence for inference, extended as tokens commit.
+
+    Context K/V depend only on the target features and their positions, never on a block, so
+    they are computed once per committed token and reused by every later block.
+    """
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.keys = [None] * len(drafter.layers)
+        self.values = [None] * len(drafter.layers)
+        self.length = 0
+
+    def extend(self, features: torch.Tensor) -> None:
+        """Add the features [n, N*H] of the next n committed positions."""
+        drafter = self.drafter
+        positions = torch.arange(self.length, self.length + features.shape[0], device=features.device)
+        context = drafter.project_context(features)
+        cos, sin = drafter._rope(positions, context.dtype)
+        for index, layer in enumerate(drafter.layers):
+            k, v = layer.self_attn.keys_values(context, cos, sin)
+            self.keys[index] = k if self.keys[index] is None else torch.cat([self.keys[index], k])
+            self.values[index] = v if self.values[index] is None else torch.cat([self.values[index], v])
+        self.length += features.shape[0]
+
+    def crop(self, length: int) -> None:
+        """Forget context positions >= length (after a rejected speculation)."""
+        self.keys = [k[:length] if k is not None else None for k in self.keys]
+        self.values = [v[:length] if v is not None else None for v in self.values]
+        self.length = min(self.length, length)
+
+
+@torch.no_grad()
+def draft_block(drafter: DFlashDrafter, head: TargetHead, cache: DraftCache, anchor_token: int) -> torch.Tensor:
+    """Logits [B-1, V] for the tokens after `anchor_token`, which sits at position cache.length.
+
+    The context is every position < cache.length (the anchor's own features are not known yet).
+    """
+    config = drafter.config
+    device = head.embed_weight.device
+    ids = torch.full((config.block_size,), config.mask_token_id, dtype=torch.long, device=device)
+    ids[0] = anchor_token
+    x = head.embed(ids).to(drafter.fc.weight.dtype)
+    positions = torch.arange(cache.length, cache.length + config.block_size, device=device)
+    rope_block = drafter._rope(positions, x.dtype)
+    mask = None
+    if config.sliding_window is not None and cache.length > config.sliding_window:
+        mask = torch.ones(config.block_size, cache.length + config.block_size, dtype=torch.bool, device=device)
+        mask[:, : cache.length - config.sliding_window] = False
+    for index, layer in enumerate(drafter.layers):
+        if cache.keys[index] is None:
+            empty = torch.zeros(0, config.num_key_value_heads, config.head_dim, dtype=x.dtype, device=device)
+            kv = (empty, empty)
+        else:
+            kv = (cache.keys[index], cache.values[index])
+        x = layer(x, None, rope_block, None, mask, cached_kv=kv)
+    return head.logits(drafter.norm(x)[1:])
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for slots k = 1..B-1: early slots matter most, since a draft is only
+    accepted up to its first miss."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's decay: 7 for B = 16, 4 for B = 8 (linear in between, a floor of 1)."""
+    return max(1.0, {16: 7.0, 8: 4.0}.get(block_size, 4.0 + (block_size - 8) * 3.0 / 8.0))
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its normal-approximation 95% confidence interval."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    if n == 1:
+        return mean, float("inf")
+    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, 1.96 * math.sqrt(variance / n)

@@ -1,0 +1,382 @@
+"""Captured target features on disk: the Arrow shard format, its writer, reader and verifier.
+
+A split folder (`data/hidden/train/`) holds `shard-NNNNN.arrow` files and a `manifest.json`.
+Each shard is an Arrow IPC *file* (random access through its footer, memory-mappable), and each
+record batch in it is ONE sequence, so reading sample i is a footer lookup plus zero-copy views
+of the mapped bytes, whatever the dataset's size. Columns per sequence of S tokens:
+
+    sequence_id     string          the prompt id from `generate`
+    input_ids       list<int32>     [S] prompt + answer token ids
+    loss_mask       list<uint8>     [S] 1 on answer tokens
+    target_next     list<int32>     [S] the target's greedy next token after each position
+    features        large_list<u16> [S*W] bf16 bit patterns, W = len(layer_ids) * hidden_size
+                    large_list<u8>  [S*W] or fp8-e4m3 bit patterns ...
+    feature_scales  list<float32>   [S]   ... with one scale per token (fp8 only)
+
+bf16 is stored bit-exact as its 16-bit pattern; fp8-e4m3 halves the size with a per-token
+absmax scale. A shard is written under a temporary name and renamed when complete, so a
+visible shard is always whole. The manifest records the target fingerprint, layer ids, sizes,
+counts and each shard's sha256; `open_split` checks all of it before training or evaluation.
+"""
+
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dflash_pipeline.errors import PipelineError
+
+SHARD_FORMAT_VERSION = 1
+FEATURE_DTYPES = ("bf16", "fp8_e4m3")
+FP8_E4M3_MAX = 448.0
+SHARD_GLOB = "shard-*.arrow"
+
+
+def bytes_per_token(feature_width: int, feature_dtype: str) -> int:
+    """Payload bytes of one token: features, plus input id, target next token and loss mask."""
+    feature_bytes = feature_width * 2 if feature_dtype == "bf16" else feature_width + 4  # fp8 + scale
+    return feature_bytes + 4 + 4 + 1
+
+
+def shard_schema(feature_dtype: str, feature_width: int) -> pa.Schema:
+    if feature_dtype not in FEATURE_DTYPES:
+        raise PipelineError(f"feature dtype {feature_dtype!r} is not one of {FEATURE_DTYPES}")
+    fields = [
+        ("sequence_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("target_next", pa.list_(pa.int32())),
+        ("features", pa.large_list(pa.uint16() if feature_dtype == "bf16" else pa.uint8())),
+    ]
+    if feature_dtype == "fp8_e4m3":
+        fields.append(("feature_scales", pa.list_(pa.float32())))
+    metadata = {
+        "dflash.shard_format_version": str(SHARD_FORMAT_VERSION),
+        "dflash.feature_dtype": feature_dtype,
+        "dflash.feature_width": str(feature_width),
+    }
+    return pa.schema(fields, metadata=metadata)
+
+
+def encode_features(features, feature_dtype: str):
+    """[S, W] float tensor -> (flat numpy bit patterns, per-token scales or None)."""
+    import torch
+
+    if feature_dtype == "bf16":
+        bits = features.to(torch.bfloat16).contiguous().view(torch.int16).reshape(-1)
+        return bits.cpu().numpy().view(np.uint16), None
+    values = features.float()
+    scales = values.abs().amax(dim=-1).clamp(min=1e-12) / FP8_E4M3_MAX  # [S]
+    quantised = (values / scales[:, None]).to(torch.float8_e4m3fn).contiguous().view(torch.uint8).reshape(-1)
+    return quantised.cpu().numpy(), scales.cpu().numpy().astype(np.float32)
+
+
+def decode_features(values: np.ndarray, scales: np.ndarray | None, width: int, feature_dtype: str):
+    """Flat bit patterns -> [S, W] tensor: bf16 as a zero-copy view, fp8 dequantised to bf16."""
+    import torch
+
+    if feature_dtype == "bf16":
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).view(-1, width)
+    raw = torch.from_numpy(values).view(torch.float8_e4m3fn).view(-1, width)
+    return (raw.float() * torch.from_numpy(scales)[:, None]).to(torch.bfloat16)
+
+
+@dataclass
+class Sample:
+    """One captured sequence. Tensors may be views of a memory-mapped shard: copy to keep them."""
+
+    sequence_id: str
+    input_ids: "object"  # torch.LongTensor-compatible int32 tensor [S]
+    loss_mask: "object"  # uint8 tensor [S]
+    target_next: "object"  # int32 tensor [S]
+    features: "object"  # bf16 tensor [S, W]
+
+
+@dataclass
+class ShardInfo:
+    file: str
+    sequences: int
+    tokens: int
+    bytes: int
+    sha256: str
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ShardWriter:
+    """Write sequences into one shard; the file appears under its final name only on `close()`."""
+
+    def __init__(self, path: Path, *, feature_dtype: str, feature_width: int):
+        self.path = Path(path)
+        self.tmp_path = self.path.with_name(self.path.name + ".tmp")
+        self.feature_dtype = feature_dtype
+        self.feature_width = feature_width
+        self.schema = shard_schema(feature_dtype, feature_width)
+        self._sink = pa.OSFile(str(self.tmp_path), "wb")
+        self._writer = pa.ipc.new_file(self._sink, self.schema)
+        self.sequences = 0
+        self.tokens = 0
+
+    def write(self, sequence_id: str, input_ids, loss_mask, target_next, features) -> None:
+        length = len(input_ids)
+        if not (len(loss_mask) == len(target_next) == features.shape[0] == length) or features.shape[1] != self.feature_width:
+            raise ValueError(
+                f"sequence {sequence_id}: lengths disagree (ids {length}, mask {len(loss_mask)}, "
+                f"next {len(target_next)}, features {tuple(features.shape)}, width {self.feature_width})"
+            )
+        values, scales = encode_features(features, self.feature_dtype)
+        value_type = pa.uint16() if self.feature_dtype == "bf16" else pa.uint8()
+        columns = [
+            pa.array([sequence_id], pa.string()),
+            _list_array(np.asarray(input_ids, dtype=np.int32), pa.int32()),
+            _list_array(np.asarray(loss_mask, dtype=np.uint8), pa.uint8()),
+            _list_array(np.asarray(target_next, dtype=np.int32), pa.int32()),
+            pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), pa.array(values, value_type)),
+        ]
+        if scales is not None:
+            columns.append(_list_array(scales, pa.float32()))
+        self._writer.write_batch(pa.record_batch(columns, schema=self.schema))
+        self.sequences += 1
+        self.tokens += length
+
+    def close(self) -> ShardInfo:
+        self._writer.close()
+        self._sink.close()
+        with open(self.tmp_path, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(self.tmp_path, self.path)
+        return ShardInfo(self.path.name, self.sequences, self.tokens, self.path.stat().st_size, sha256_file(self.path))
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+            self._sink.close()
+        finally:
+            self.tmp_path.unlink(missing_ok=True)
+
+
+def _list_array(values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), pa.array(values, value_type))
+
+
+@dataclass
+class Manifest:
+    """What a split folder holds; written last, after every shard is complete."""
+
+    split: str
+    target_fingerprint: str
+    layer_ids: list[int]
+    hidden_size: int
+    num_target_layers: int
+    feature_dtype: str
+    feature_width: int
+    sequences: int
+    tokens: int
+    loss_tokens: int
+    shards: list[ShardInfo]
+    stats: dict = field(default_factory=dict)
+    format_version: int = SHARD_FORMAT_VERSION
+
+    def save(self, folder: Path) -> None:
+        data = asdict(self)
+        tmp = Path(folder) / "manifest.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, Path(folder) / "manifest.json")
+
+    @classmethod
+    def load(cls, folder: Path) -> "Manifest":
+        path = Path(folder) / "manifest.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise PipelineError(f"{path}: no manifest; run the `capture` stage first (dvc repro capture)") from None
+        except json.JSONDecodeError as exc:
+            raise PipelineError(f"{path}: not valid JSON ({exc.msg})") from None
+        if data.get("format_version") != SHARD_FORMAT_VERSION:
+            raise PipelineError(f"{path}: format_version {data.get('format_version')!r}, this code reads {SHARD_FORMAT_VERSION}")
+        try:
+            data["shards"] = [ShardInfo(**s) for s in data["shards"]]
+            return cls(**data)
+        except TypeError as exc:
+            raise PipelineError(f"{path}: fields do not match the manifest format ({exc})") from None
+
+
+class ShardDataset:
+    """Random access to every sequence of a split folder through memory-mapped shards.
+
+    Opening reads the manifest only, and a shard's footer is read when one of its samples is
+    first asked for: the time to the first sample does not grow with the dataset. `verify="full"` (the default for train and evaluate) also checks
+    every shard's size, sha256, schema and row lengths against the manifest first.
+    """
+
+    def __init__(self, folder: Path, *, expected_fingerprint: str | None = None, verify: str = "full"):
+        self.folder = Path(folder)
+        self.manifest = Manifest.load(self.folder)
+        if expected_fingerprint is not None and self.manifest.target_fingerprint != expected_fingerprint:
+            raise PipelineError(
+                f"{self.folder / 'manifest.json'}: captured from target {self.manifest.target_fingerprint[:12]}, "
+                f"but the current target is {expected_fingerprint[:12]}; rerun capture (dvc repro capture)"
+            )
+        if verify not in ("full", "none"):
+            raise ValueError(f"verify must be 'full' or 'none', not {verify!r}")
+        if verify == "full":
+            verify_split(self.folder, self.manifest)
+        # Samples are read-only views of the read-only mapping; torch warns about that on every
+        # from_numpy, and the data is never written through them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        self._readers: dict[int, object] = {}  # opened on first use: opening costs no data reads
+        self._index: list[tuple[int, int]] = []  # sample -> (shard, record batch)
+        for shard_number, info in enumerate(self.manifest.shards):
+            self._index.extend((shard_number, batch) for batch in range(info.sequences))
+        self.width = self.manifest.feature_width
+        self.dtype = self.manifest.feature_dtype
+
+    def _shard(self, shard_number: int) -> "_MappedShard":
+        shard = self._readers.get(shard_number)
+        if shard is None:
+            info = self.manifest.shards[shard_number]
+            shard = _MappedShard(self.folder / info.file, info.sequences)
+            self._readers[shard_number] = shard
+        return shard
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int) -> Sample:
+        import torch
+
+        shard_number, row = self._index[index]
+        shard = self._shard(shard_number)
+        sequence_id, columns = shard.row(row)
+        values = shard.view(*columns[3])
+        scales = shard.view(*columns[4]) if self.dtype == "fp8_e4m3" else None
+        return Sample(
+            sequence_id=sequence_id,
+            input_ids=torch.from_numpy(shard.view(*columns[0])),
+            loss_mask=torch.from_numpy(shard.view(*columns[1])),
+            target_next=torch.from_numpy(shard.view(*columns[2])),
+            features=decode_features(values, scales, self.width, self.dtype),
+        )
+
+    def lengths(self) -> list[int]:
+        """Tokens per sample, without touching the features (for length-aware batching)."""
+        return [self._shard(shard).row(row)[1][0][1] for shard, row in self._index]
+
+
+class _MappedShard:
+    """One memory-mapped shard and, per sequence, where each column's values lie in the file.
+
+    A sequence's layout is read from its record batch's metadata the first time it is asked
+    for (microseconds) and kept; after that the sample is numpy views at known offsets.
+    """
+
+    def __init__(self, path: Path, sequences: int):
+        try:
+            mapped = pa.memory_map(str(path), "r")
+            reader = pa.ipc.open_file(mapped)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise PipelineError(f"{path}: not a readable Arrow shard ({exc})") from None
+        if reader.num_record_batches != sequences:
+            raise PipelineError(f"{path}: {reader.num_record_batches} sequences, manifest says {sequences}")
+        mapped.seek(0)
+        whole = mapped.read_buffer()  # zero-copy: the whole mapping as one buffer
+        self.bytes = np.frombuffer(whole, dtype=np.uint8)
+        self._base = whole.address
+        self._reader = reader
+        self._rows: list = [None] * sequences
+        self._mapped = mapped
+
+    def row(self, number: int):
+        """(sequence id, [(byte offset, count, type) for each list column]) of one sequence."""
+        layout = self._rows[number]
+        if layout is None:
+            batch = self._reader.get_batch(number)
+            columns = []
+            for column in range(1, batch.num_columns):
+                values = batch.column(column).values
+                offset = values.buffers()[1].address - self._base + values.offset * _ITEM_BYTES[values.type]
+                columns.append((offset, len(values), values.type))
+            layout = self._rows[number] = (batch.column(0)[0].as_py(), columns)
+        return layout
+
+    def view(self, offset: int, count: int, value_type) -> np.ndarray:
+        item = _ITEM_BYTES[value_type]
+        return self.bytes[offset : offset + count * item].view(_NUMPY_TYPES[value_type])
+
+
+_ITEM_BYTES = {pa.int32(): 4, pa.uint8(): 1, pa.uint16(): 2, pa.float32(): 4}
+_NUMPY_TYPES = {pa.int32(): np.int32, pa.uint8(): np.uint8, pa.uint16(): np.uint16, pa.float32(): np.float32}
+
+
+def _row_values(batch: pa.RecordBatch, column: int) -> np.ndarray:
+    """The values of a one-row list column as a zero-copy, read-only numpy view.
+
+    Our writer gives every record batch a single row whose list starts at offset 0, so the
+    column's value buffer is exactly that row (verify_split checks the lengths).
+    """
+    return batch.column(column).values.to_numpy(zero_copy_only=True)
+
+
+def verify_split(folder: Path, manifest: Manifest | None = None) -> Manifest:
+    """Check every shard against the manifest; the first problem stops with a one-line error."""
+    folder = Path(folder)
+    manifest = manifest or Manifest.load(folder)
+    expected_schema = shard_schema(manifest.feature_dtype, manifest.feature_width)
+    listed = {info.file for info in manifest.shards}
+    for extra in sorted(p.name for p in folder.glob(SHARD_GLOB)):
+        if extra not in listed:
+            raise PipelineError(f"{folder / extra}: shard not listed in the manifest (foreign or left from another run)")
+    sequences = tokens = 0
+    for info in manifest.shards:
+        path = folder / info.file
+        if not path.is_file():
+            raise PipelineError(f"{path}: shard listed in the manifest is missing")
+        size = path.stat().st_size
+        if size != info.bytes:
+            raise PipelineError(f"{path}: {size} bytes, manifest says {info.bytes} (truncated or replaced)")
+        if sha256_file(path) != info.sha256:
+            raise PipelineError(f"{path}: sha256 differs from the manifest (corrupt shard)")
+        try:
+            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise PipelineError(f"{path}: not a readable Arrow shard ({exc})") from None
+        if not reader.schema.equals(expected_schema, check_metadata=True):
+            raise PipelineError(f"{path}: schema differs from the manifest's {manifest.feature_dtype} x {manifest.feature_width} format")
+        if reader.num_record_batches != info.sequences:
+            raise PipelineError(f"{path}: {reader.num_record_batches} sequences, manifest says {info.sequences}")
+        shard_tokens = 0
+        for batch_number in range(reader.num_record_batches):
+            batch = reader.get_batch(batch_number)
+            if batch.num_rows != 1 or any(batch.column(c).offsets[0].as_py() != 0 for c in range(1, batch.num_columns)):
+                raise PipelineError(f"{path}: sequence {batch_number} is not laid out as one row per record batch")
+            length = len(_row_values(batch, 1))
+            if not (len(_row_values(batch, 2)) == len(_row_values(batch, 3)) == length):
+                raise PipelineError(f"{path}: sequence {batch_number} has columns of different lengths")
+            if manifest.feature_dtype == "fp8_e4m3" and len(_row_values(batch, 5)) != length:
+                raise PipelineError(f"{path}: sequence {batch_number} has {len(_row_values(batch, 5))} scales for {length} tokens")
+            if len(_row_values(batch, 4)) != length * manifest.feature_width:
+                raise PipelineError(f"{path}: sequence {batch_number} has features for a different length or width")
+            shard_tokens += length
+        if shard_tokens != info.tokens:
+            raise PipelineError(f"{path}: {shard_tokens} tokens, manifest says {info.tokens}")
+        sequences += info.sequences
+        tokens += shard_tokens
+    if (sequences, tokens) != (manifest.sequences, manifest.tokens):
+        raise PipelineError(f"{folder / 'manifest.json'}: totals {manifest.sequences} sequences / {manifest.tokens} tokens disagree with its shards")
+    return manifest
+
+
+def open_split(folder: Path, *, expected_fingerprint: str | None = None, verify: str = "full") -> ShardDataset:
+    """The entry point train and evaluate use: verify, then open for random access."""
+    return ShardDataset(folder, expected_fingerprint=expected_fingerprint, verify=verify)

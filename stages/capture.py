@@ -1,0 +1,43 @@
+"""DVC stage `capture`: target hidden states of every generated sequence into Arrow shards.
+
+    python stages/capture.py --params params.yaml --generated data/generated \
+        --target data/target/target.json --out data/hidden
+    torchrun --nproc_per_node 8 stages/capture.py ...   # several GPUs: each rank its own shards
+"""
+
+import json
+from pathlib import Path
+
+import click
+
+from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
+@click.option("--generated", "generated_dir", type=click.Path(path_type=Path), default="data/generated", show_default=True)
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
+@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@one_line_errors
+def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Path, device: str | None) -> None:
+    """Capture the selected target layers for the train and val splits into OUT/{train,val}/."""
+    offline_by_default()
+    from dflash_pipeline.capture import run_capture
+    from dflash_pipeline.config import load_params
+    from dflash_pipeline.target import TargetInfo
+
+    config = load_params(params_path).capture
+    target = TargetInfo.from_json(target_json)
+    summary = run_capture(config, target=target, generated_dir=generated_dir, out_dir=out_dir, device=device or default_device())
+    if summary["splits"]:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        for split, info in summary["splits"].items():
+            click.echo(
+                f"capture {split}: {info['sequences']} sequences, {info['tokens']:,} tokens "
+                f"({info['loss_tokens']:,} answer), {info['shards']} shard(s), {info['bytes'] / 2**20:.1f} MiB; {info['stats']}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Stage `capture`: layer-id convention, features equal a hand-run forward, resume, torchrun."""
+
+import filecmp
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import REPO_ROOT, run, stage_env, write_generated
+from dflash_pipeline.capture import LayerTap, Sequence, build_target_layer_ids, forward_batch, load_sequences, plan_shards
+from dflash_pipeline.config import CaptureConfig, TargetConfig
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.generate import GENERATED_SCHEMA
+from dflash_pipeline.shards import open_split
+from dflash_pipeline.target import TargetInfo, load_target, prepare_target
+
+
+def test_default_layer_ids_follow_dflash():
+    assert build_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(30, 1) == [15]
+    assert build_target_layer_ids(4, 2) == [1, 1]  # degenerate, refused later as a repeat
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("target")
+    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=out)
+    info = TargetInfo.from_json(out / "target.json")
+    model, _ = load_target(info)
+    return info, model, out / "target.json"
+
+
+def test_layer_id_i_is_output_hidden_states_i_plus_1(tiny):
+    """Pins the convention against a hand-run forward, including the last layer (after the norm)."""
+    _, model, _ = tiny
+    ids = torch.randint(0, 49152, (2, 9), generator=torch.Generator().manual_seed(0))
+    layer_ids = [0, 1, 2, 3]
+    tap = LayerTap(model, layer_ids)
+    with torch.inference_mode():
+        reference = model(ids, output_hidden_states=True)
+        model.get_decoder()(input_ids=ids)
+    tap.remove()
+    for layer_id in layer_ids:
+        assert torch.equal(tap.outputs[layer_id], reference.hidden_states[layer_id + 1]), layer_id
+    assert not torch.equal(tap.outputs[0], reference.hidden_states[0])  # not the embeddings
+
+
+def test_batched_capture_equals_one_sequence_forwards(tiny):
+    _, model, _ = tiny
+    generator = torch.Generator().manual_seed(1)
+    batch = [Sequence(f"s{i}", torch.randint(3, 49152, (n,), generator=generator).tolist(), [0] * 3 + [1] * (n - 3))
+             for i, n in enumerate([17, 9, 12])]
+    layer_ids = [1, 3]
+    tap = LayerTap(model, layer_ids)
+    batched = forward_batch(model, tap, batch, pad_id=2)
+    for sequence, (features, target_next) in zip(batch, batched):
+        with torch.inference_mode():
+            out = model(torch.tensor([sequence.input_ids]), output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+        torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+        assert target_next.tolist() == out.logits[0].argmax(-1).tolist()
+    tap.remove()
+
+
+def test_edge_cases_are_counted(tmp_path):
+    rows = [
+        {"prompt_ids": [5, 6], "answer_ids": []},  # empty answer
+        {"prompt_ids": [5] * 10, "answer_ids": [7] * 10},  # truncated to 12: 2 answer tokens left
+        {"prompt_ids": [5] * 14, "answer_ids": [7] * 3},  # no answer token within max_length
+        {"prompt_ids": [], "answer_ids": [7, 8]},  # all-answer sequence
+        {"prompt_ids": [1, 2], "answer_ids": [3]},
+    ]
+    table = pa.Table.from_pylist([{"prompt_id": str(i), "category": "c", "split": "train", "messages": [],
+                                   "finish_reason": "stop", **row} for i, row in enumerate(rows)], schema=GENERATED_SCHEMA)
+    pq.write_table(table, tmp_path / "train.parquet")
+    sequences, stats = load_sequences(tmp_path / "train.parquet", max_length=12, on_too_long="truncate")
+    assert [s.id for s in sequences] == ["1", "3", "4"]
+    assert sequences[0].loss_mask == [0] * 10 + [1, 1]
+    assert stats == {"rows": 5, "skipped_empty_answer": 1, "truncated": 2, "skipped_no_answer_within_max_length": 1, "all_answer_tokens": 1}
+    sequences, stats = load_sequences(tmp_path / "train.parquet", max_length=12, on_too_long="skip")
+    assert [s.id for s in sequences] == ["3", "4"] and stats["skipped_too_long"] == 2
+
+
+def test_plan_batches_similar_lengths_and_respects_budgets():
+    lengths = [50, 10, 30, 45, 12, 31, 29, 11]
+    sequences = [Sequence(str(i), [1] * n, [1] * n) for i, n in enumerate(lengths)]
+    plan = plan_shards(sequences, token_bytes=10, shard_bytes=1000, batch_tokens=100)
+    flat = [i for shard in plan for batch in shard for i in batch]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
+    for shard in plan:
+        assert sum(lengths[i] for batch in shard for i in batch) * 10 <= 1000 or len(shard) == 1
+        for batch in shard:
+            assert len(batch) * max(lengths[i] for i in batch) <= 100 or len(batch) == 1
+
+
+def _params(tmp_path, **capture):
+    import yaml
+
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["capture"].update(capture)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _capture_cmd(params, generated, target_json, out, launcher=(sys.executable,)):
+    return [*launcher, str(REPO_ROOT / "stages" / "capture.py"), "--params", str(params), "--generated", str(generated),
+            "--target", str(target_json), "--out", str(out), "--device", "cpu"]
+
+
+def _assert_same_split(a, b):
+    for split in ("train", "val"):
+        manifest_a = json.loads((a / split / "manifest.json").read_text())
+        manifest_b = json.loads((b / split / "manifest.json").read_text())
+        assert manifest_a == manifest_b
+        for shard in manifest_a["shards"]:
+            assert filecmp.cmp(a / split / shard["file"], b / split / shard["file"], shallow=False), shard["file"]
+
+
+def test_stage_writes_verified_shards_and_kill_9_resume_is_byte_identical(tiny, tmp_path):
+    info, model, target_json = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 240, "val": 12})
+    params = _params(tmp_path, layer_ids=[1, 3], shard_mb=1, batch_tokens=1024)
+    reference = tmp_path / "reference"
+    result = run(_capture_cmd(params, generated, target_json, reference), cwd=tmp_path)
+    assert "B/token ->" in result.stdout and "min at" in result.stdout  # the estimate printed up front
+
+    dataset = open_split(reference / "train", expected_fingerprint=info.fingerprint)
+    manifest = dataset.manifest
+    assert manifest.layer_ids == [1, 3] and manifest.num_target_layers == 4
+    assert len(manifest.shards) >= 8 and manifest.sequences == 240 == len(dataset)
+    assert manifest.feature_width == 2 * 64 and manifest.tokens == sum(dataset.lengths())
+    # Every stored feature equals the target's own forward on that sequence.
+    rows = {r["prompt_id"]: r for r in pq.read_table(generated / "train.parquet").to_pylist()}
+    for index in (0, len(dataset) - 1):
+        sample = dataset[index]
+        row = rows[sample.sequence_id]
+        ids = row["prompt_ids"] + row["answer_ids"]
+        assert sample.input_ids.tolist() == ids and sample.loss_mask.tolist() == [0] * len(row["prompt_ids"]) + [1] * len(row["answer_ids"])
+        with torch.inference_mode():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        expected = torch.cat([out.hidden_states[i + 1][0] for i in manifest.layer_ids], dim=-1)
+        torch.testing.assert_close(sample.features.float(), expected, rtol=1e-2, atol=1e-2)
+        assert (sample.target_next == out.logits[0].argmax(-1).int()).float().mean() > 0.99
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(_capture_cmd(params, generated, target_json, killed), cwd=tmp_path, env=stage_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list((killed / "train").glob("shard-*.arrow"))) < 2:
+        assert process.poll() is None, "capture finished before it could be killed"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    done = len(list((killed / "train").glob("shard-*.arrow")))
+    assert 2 <= done < len(manifest.shards) and not (killed / "train" / "manifest.json").exists()
+    resumed = run(_capture_cmd(params, generated, target_json, killed), cwd=tmp_path)
+    assert f"{done} already done" in resumed.stdout
+    _assert_same_split(reference, killed)
+
+    # Other settings discard old shards instead of mixing them in.
+    params_fp8 = _params(tmp_path, layer_ids=[1, 3], shard_mb=1, batch_tokens=1024, feature_dtype="fp8_e4m3")
+    again = run(_capture_cmd(params_fp8, generated, target_json, killed), cwd=tmp_path)
+    assert "removed" in again.stdout
+    assert open_split(killed / "train").manifest.feature_dtype == "fp8_e4m3"
+
+
+def test_two_torchrun_processes_write_the_same_shards_as_one(tiny, tmp_path):
+    _, _, target_json = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 60, "val": 9}, answer_len=(10, 120))
+    params = _params(tmp_path, layer_ids=[0, 3], shard_mb=1, batch_tokens=2048)
+    run(_capture_cmd(params, generated, target_json, tmp_path / "single"), cwd=tmp_path)
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533")
+    result = run(_capture_cmd(params, generated, target_json, tmp_path / "ddp", launcher=torchrun), cwd=tmp_path)
+    assert len(json.loads((tmp_path / "ddp" / "train" / "manifest.json").read_text())["shards"]) >= 2
+    _assert_same_split(tmp_path / "single", tmp_path / "ddp")
+    assert "capture train:" in result.stdout
+
+
+def test_refuses_to_start_without_disk_space(tiny, tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from dflash_pipeline import capture
+
+    info, _, _ = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 4, "val": 2})
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(capture.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(PipelineError, match=r"capture needs about .* only 1000\.0 B free"):
+        capture.run_capture(CaptureConfig(layer_ids=[0, 2]), target=info, generated_dir=generated, out_dir=tmp_path / "out", device="cpu")
+    assert list((tmp_path / "out" / "train").glob("shard-*")) == []
+    assert shutil_module.disk_usage is not None
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (CaptureConfig(layer_ids=[1, 4]), r"capture.layer_ids has 4, outside 0..3"),
+        (CaptureConfig(layer_ids=[2, 2]), r"capture.layer_ids \[2, 2\] repeats a layer"),
+        (CaptureConfig(num_layers=2), r"capture.num_layers=2 repeats layers \[1, 1\] on a 4-layer target"),
+    ],
+)
+def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):
+    from dflash_pipeline import capture
+
+    info, _, _ = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 2, "val": 1})
+    with pytest.raises(PipelineError, match=message):
+        capture.run_capture(config, target=info, generated_dir=generated, out_dir=tmp_path / "o", device="cpu")

@@ -1,0 +1,128 @@
+"""The drafter: the packed DFlash mask against a plain per-block loop, and the inference cache."""
+
+import pytest
+import torch
+
+from dflash_pipeline.model import DFlashDrafter, DraftCache, DrafterConfig, TargetHead, dflash_mask, draft_block, decay_weights, default_gamma
+
+VOCAB = 97
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    values = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, vocab_size=VOCAB, block_size=4, target_layer_ids=(0, 2, 3), num_target_layers=4,
+                  mask_token_id=VOCAB - 1, rope_theta=10000.0)
+    values.update(overrides)
+    return DrafterConfig(**values)
+
+
+@pytest.fixture
+def drafter_and_head():
+    torch.manual_seed(0)
+    config = tiny_config()
+    drafter = DFlashDrafter(config).eval()
+    for norm in [m for m in drafter.modules() if m.__class__.__name__ == "RMSNorm"]:
+        norm.weight.data.uniform_(0.5, 1.5)  # not all ones, so a misplaced norm shows up
+    head = TargetHead(torch.randn(VOCAB, 32), torch.randn(VOCAB, 32))
+    return drafter, head
+
+
+def block_ids(anchor_token: int, config: DrafterConfig) -> torch.Tensor:
+    return torch.tensor([anchor_token] + [config.mask_token_id] * (config.block_size - 1))
+
+
+def reference_block(drafter, head, features, ids, anchor):
+    """One block, the obvious way: its context is exactly features[:anchor], everything visible."""
+    config = drafter.config
+    block = block_ids(int(ids[anchor]), config)
+    with torch.no_grad():
+        return drafter.forward_blocks(
+            features[:anchor], torch.arange(anchor), head.embed(block),
+            torch.arange(anchor, anchor + config.block_size), mask=None,
+        )
+
+
+def packed_blocks(drafter, head, sequences, anchors_per_sequence):
+    """All blocks of all sequences in one forward with the DFlash mask."""
+    config = drafter.config
+    features = torch.cat([f for f, _ in sequences])
+    context_positions = torch.cat([torch.arange(len(f)) for f, _ in sequences])
+    context_sequence = torch.cat([torch.full((len(f),), s) for s, (f, _) in enumerate(sequences)])
+    embeddings, positions, sequence_of, anchor_of, index_of = [], [], [], [], []
+    block_number = 0
+    for s, ((_, ids), anchors) in enumerate(zip(sequences, anchors_per_sequence)):
+        for anchor in anchors:
+            embeddings.append(head.embed(block_ids(int(ids[anchor]), config)))
+            positions.append(torch.arange(anchor, anchor + config.block_size))
+            sequence_of.append(torch.full((config.block_size,), s))
+            anchor_of.append(torch.full((config.block_size,), anchor))
+            index_of.append(torch.full((config.block_size,), block_number))
+            block_number += 1
+    mask = dflash_mask(context_sequence, context_positions, torch.cat(sequence_of), torch.cat(anchor_of), torch.cat(index_of))
+    with torch.no_grad():
+        out = drafter.forward_blocks(features, context_positions, torch.cat(embeddings), torch.cat(positions), mask)
+    return out.view(block_number, config.block_size, -1)
+
+
+def test_packed_masked_forward_equals_one_block_at_a_time(drafter_and_head):
+    drafter, head = drafter_and_head
+    torch.manual_seed(1)
+    width = drafter.config.feature_width
+    sequences = [(torch.randn(n, width), torch.randint(0, VOCAB - 1, (n,))) for n in (11, 7, 15)]
+    anchors = [[1, 4, 9], [2, 6], [3, 5, 12, 13]]
+    packed = packed_blocks(drafter, head, sequences, anchors)
+    expected = torch.stack([reference_block(drafter, head, f, ids, a)
+                            for (f, ids), sequence_anchors in zip(sequences, anchors) for a in sequence_anchors])
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_matches_its_definition_entry_by_entry():
+    context_sequence = torch.tensor([0, 0, 0, 1, 1])
+    context_positions = torch.tensor([0, 1, 2, 0, 1])
+    # Two blocks of size 2: sequence 0 anchored at 2, sequence 1 anchored at 1.
+    mask = dflash_mask(context_sequence, context_positions, torch.tensor([0, 0, 1, 1]), torch.tensor([2, 2, 1, 1]),
+                       torch.tensor([0, 0, 1, 1]))
+    expected = torch.tensor([
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 0, 0, 0, 1, 1],
+        [0, 0, 0, 1, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+    windowed = dflash_mask(context_sequence, context_positions, torch.tensor([0]), torch.tensor([2]), torch.tensor([0]),
+                           sliding_window=1)
+    assert windowed[0, :5].tolist() == [False, True, False, False, False]
+
+
+def test_changing_a_later_context_token_does_not_change_a_block(drafter_and_head):
+    drafter, head = drafter_and_head
+    torch.manual_seed(2)
+    features, ids = torch.randn(12, drafter.config.feature_width), torch.randint(0, VOCAB - 1, (12,))
+    before = packed_blocks(drafter, head, [(features, ids)], [[5]])
+    features[5:] = torch.randn(7, drafter.config.feature_width)  # the anchor's own feature and later
+    after = packed_blocks(drafter, head, [(features, ids)], [[5]])
+    torch.testing.assert_close(before, after)
+    features[4] += 1.0
+    assert not torch.allclose(before, packed_blocks(drafter, head, [(features, ids)], [[5]]))
+
+
+def test_inference_cache_gives_the_training_forward(drafter_and_head):
+    drafter, head = drafter_and_head
+    torch.manual_seed(3)
+    features, ids = torch.randn(14, drafter.config.feature_width), torch.randint(0, VOCAB - 1, (14,))
+    cache = DraftCache(drafter)
+    cache.extend(features[:6])
+    cache.extend(features[6:9])  # grown in two steps, as committed tokens arrive
+    logits = draft_block(drafter, head, cache, int(ids[9]))
+    expected = head.logits(reference_block(drafter, head, features, ids, 9)[1:])
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    cache.crop(4)
+    torch.testing.assert_close(draft_block(drafter, head, cache, int(ids[4])),
+                               head.logits(reference_block(drafter, head, features, ids, 4)[1:]), rtol=1e-5, atol=1e-5)
+
+
+def test_decay_weights():
+    assert default_gamma(16) == 7.0 and default_gamma(8) == 4.0
+    weights = decay_weights(8, 4.0)
+    assert weights.shape == (7,) and weights[0] == 1.0
+    torch.testing.assert_close(weights[1] / weights[0], torch.tensor(torch.e ** -0.25))
