@@ -86,7 +86,8 @@ def _staging(rows: int = 4096, width: int = 2880):
 def _read_all_shards(folder: Path, order, staging=None):
     """Each sample as tensors; with `staging`, its features and ids also copied into a buffer
     (every byte read, as a GPU trainer's host-to-device staging does). Without it the samples
-    are zero-copy views of the mapped shard, which is what the CPU trainer consumes."""
+    are zero-copy views of the mapped shard, which is what the CPU trainer consumes: its `fc`
+    projects each sequence's view directly (`DFlashDrafter.project_context`)."""
     from dflash_pipeline.shards import open_split
 
     dataset = open_split(folder, verify="none")

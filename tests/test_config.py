@@ -1,6 +1,5 @@
 """Strict params: the committed params.yaml loads; typos, gaps and bad values fail with the key."""
 
-import shutil
 
 import pytest
 import yaml

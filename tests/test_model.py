@@ -126,3 +126,23 @@ def test_decay_weights():
     weights = decay_weights(8, 4.0)
     assert weights.shape == (7,) and weights[0] == 1.0
     torch.testing.assert_close(weights[1] / weights[0], torch.tensor(torch.e ** -0.25))
+
+
+def test_flex_attention_path_equals_sdpa_and_the_reference(drafter_and_head):
+    drafter, head = drafter_and_head
+    torch.manual_seed(4)
+    width = drafter.config.feature_width
+    features, ids = torch.randn(40, width), torch.randint(0, VOCAB - 1, (40,))
+    anchors = [3, 9, 17, 30, 36]
+    config = drafter.config
+    embeddings = torch.cat([head.embed(block_ids(int(ids[a]), config)) for a in anchors])
+    positions = torch.cat([torch.arange(a, a + config.block_size) for a in anchors])
+    block_anchor = torch.cat([torch.full((config.block_size,), a) for a in anchors])
+    block_index = torch.arange(len(anchors)).repeat_interleave(config.block_size)
+    mask = dflash_mask(torch.zeros(40, dtype=torch.long), torch.arange(40), torch.zeros_like(block_anchor), block_anchor, block_index)
+    with torch.no_grad():
+        sdpa = drafter.forward_blocks(features, torch.arange(40), embeddings, positions, mask, attention="sdpa")
+        flex = drafter.forward_blocks(features, torch.arange(40), embeddings, positions, mask, attention="flex")
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
+    expected = torch.cat([reference_block(drafter, head, features, ids, a) for a in anchors])
+    torch.testing.assert_close(flex, expected, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
 

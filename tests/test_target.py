@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import time
 
 import pytest
 
@@ -75,7 +74,6 @@ def test_folder_without_weights_is_refused(tiny_llama_dir, tmp_path):
 def test_stage_command_prints_one_error_line_and_exits_1(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text((REPO_ROOT / "params.yaml").read_text().replace("model: smollm2-135m-instruct", "model: /no/such/model"))
-    started = time.monotonic()
     result = run(["python", str(REPO_ROOT / "stages" / "target.py"), "--params", str(params), "--out", str(tmp_path / "t")],
                  cwd=tmp_path, check=False)
     assert result.returncode == 1

@@ -171,11 +171,11 @@ def _stage_cmd(tmp_path, tiny_run, out, launcher=(sys.executable,), **train):
 
 def test_kill_9_then_rerun_gives_the_uninterrupted_curve(tiny_run, tmp_path):
     reference = tmp_path / "reference" / "ck"
-    run(_stage_cmd(tmp_path, tiny_run, reference, max_steps=30, save_every=2, eval_every=10), cwd=tmp_path)
+    run(_stage_cmd(tmp_path, tiny_run, reference, max_steps=120, save_every=4, eval_every=40), cwd=tmp_path)
     expected = json.loads((reference / "state.json").read_text())["curve"]
 
     out = tmp_path / "killed" / "ck"
-    process = subprocess.Popen(_stage_cmd(tmp_path, tiny_run, out, max_steps=30, save_every=2, eval_every=10), cwd=tmp_path,
+    process = subprocess.Popen(_stage_cmd(tmp_path, tiny_run, out, max_steps=120, save_every=4, eval_every=40), cwd=tmp_path,
                                env=stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while time.time() < deadline and len(list_checkpoints(out)) < 3:
@@ -183,14 +183,14 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_curve(tiny_run, tmp_path):
         time.sleep(0.01)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert (out / "state.json").exists() and not (out / "step_000030").exists()
-    result = run(_stage_cmd(tmp_path, tiny_run, out, max_steps=30, save_every=2, eval_every=10), cwd=tmp_path)
+    assert (out / "state.json").exists() and not (out / "step_000120").exists()
+    result = run(_stage_cmd(tmp_path, tiny_run, out, max_steps=120, save_every=4, eval_every=40), cwd=tmp_path)
     assert "resuming at step" in result.stdout + result.stderr
     resumed = json.loads((out / "state.json").read_text())["curve"]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]
     assert resumed[-1]["tau"] == expected[-1]["tau"]
     metrics = json.loads((out.parent / "m.json").read_text())
-    assert metrics["steps"] == 30 and (out.parent / "plots" / "train.png").stat().st_size > 1000
+    assert metrics["steps"] == 120 and (out.parent / "plots" / "train.png").stat().st_size > 1000
     assert (out.parent / "plots" / "train_tau.csv").read_text().startswith("step,tau,tau_ci95,acc_slot1")
 
 
@@ -222,3 +222,21 @@ def test_contract_mismatches_are_one_line(tiny_run, tmp_path):
     with pytest.raises(PipelineError, match="manifest hidden_size is 64, but the target has 128"):
         run_train(TINY_TRAIN, target=wider, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
                   out_dir=tmp_path / "ck", device="cpu")
+
+
+def test_data_vocabulary_softmax_is_the_full_softmax_restricted_to_those_rows():
+    from dflash_pipeline.model import TargetHead
+    from dflash_pipeline.train import TrainingVocabulary
+
+    torch.manual_seed(5)
+    head = TargetHead(torch.randn(30, 8), torch.randn(30, 8))
+    vocabulary = TrainingVocabulary.from_tokens(head, torch.tensor([7, 3, 3, 21, 9]))
+    assert vocabulary.head_rows.shape == (4, 8)
+    labels = torch.tensor([3, 21, 4])
+    mapped = vocabulary.map(labels)
+    assert mapped.tolist() == [0, 3, -1]  # 4 never occurs in the data
+    hidden = torch.randn(2, 8)
+    subset_logits = hidden @ head.lm_head_weight[torch.tensor([3, 7, 9, 21])].T
+    expected = torch.nn.functional.cross_entropy(subset_logits, mapped[:2], reduction="sum")
+    total, _ = ChunkedHeadCrossEntropy.apply(hidden, vocabulary.head_rows, mapped[:2], torch.ones(2), 1)
+    torch.testing.assert_close(total, expected)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import sha256_file, write_json_atomic
 from dflash_pipeline.generate import read_generated
 from dflash_pipeline.shards import (
     SHARD_GLOB,
@@ -33,7 +34,6 @@ from dflash_pipeline.shards import (
     ShardInfo,
     ShardWriter,
     bytes_per_token,
-    sha256_file,
 )
 from dflash_pipeline.target import TargetInfo
 
@@ -225,9 +225,7 @@ def _prepare_split_folder(folder: Path, record: dict) -> int:
     for leftover in folder.glob("*.tmp"):
         leftover.unlink()  # a shard or manifest whose writer was killed before its rename
     if not record_path.is_file():
-        tmp = record_path.with_name("capture.json.tmp")
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, record_path)
+        write_json_atomic(record_path, record)
     return dropped
 
 

@@ -98,7 +98,7 @@ class TrainConfig:
     # Drafter decoder layers (released DFlash drafters use 5; 1 trains fastest on a CPU).
     num_layers: int = 1
     # Block size B: one forward drafts B-1 tokens. 16 as released; 8 learns faster at small scale.
-    block_size: int = 16
+    block_size: int = 8
     # Loss decay over slots, exp(-(k-1)/gamma); null: 7 for B=16, 4 for B=8.
     gamma: float | None = None
     # Mask token id; null: an unused embedding row, else a special token absent from the data.
@@ -107,20 +107,25 @@ class TrainConfig:
     init: str = "random"
     # Context keys further back than this many positions are not attended; null: all.
     sliding_window: int | None = None
-    lr: float = 6e-4
+    lr: float = 2e-3
     weight_decay: float = 0.0
     # Linear warmup over this fraction of max_steps, then cosine decay to 10% of lr.
     warmup_fraction: float = 0.04
     grad_clip: float = 1.0
-    max_steps: int = 400
+    max_steps: int = 900
     # Context tokens packed into one step (whole sequences; a longer one is a step alone).
     tokens_per_step: int = 2048
     # Anchors drawn per sequence per step (the reference recipe uses 512 at 3K tokens).
     anchors_per_sequence: int = 16
     # Positions per LM-head chunk: bounds the logits memory to chunk x vocab.
     logits_chunk: int = 1024
+    # "auto" (flex_attention on GPU, SDPA with a dense mask on CPU), "sdpa" or "flex".
+    attention: str = "auto"
+    # Softmax of the training loss over "full" vocabulary or only the tokens of the "data"
+    # (train answers): a cheaper head; drafting and evaluation always use the full head.
+    train_vocab: str = "full"
     # Held-out teacher-forced tau every eval_every steps, on eval_blocks fixed val blocks.
-    eval_every: int = 50
+    eval_every: int = 100
     eval_blocks: int = 512
     save_every: int = 100
     seed: int = 0
@@ -141,6 +146,8 @@ class TrainConfig:
             ("tokens_per_step", self.tokens_per_step >= 1, "must be >= 1"),
             ("anchors_per_sequence", self.anchors_per_sequence >= 1, "must be >= 1"),
             ("logits_chunk", self.logits_chunk >= 1, "must be >= 1"),
+            ("attention", self.attention in ("auto", "sdpa", "flex"), "must be 'auto', 'sdpa' or 'flex'"),
+            ("train_vocab", self.train_vocab in ("full", "data"), "must be 'full' or 'data'"),
             ("eval_every", self.eval_every >= 1, "must be >= 1"),
             ("eval_blocks", self.eval_blocks >= 1, "must be >= 1"),
             ("save_every", self.save_every >= 1, "must be >= 1"),

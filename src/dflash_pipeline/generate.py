@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.config import GenerateConfig, as_dict
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import write_json_atomic
 from dflash_pipeline.prompts import Prompt, PromptSet
 from dflash_pipeline.target import TargetInfo
 
@@ -168,9 +169,7 @@ class AnswerCache:
                 self.discarded = len(list(folder.glob("chunk-*.parquet")))
                 shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = settings_path.with_name("settings.json.tmp")
-        tmp.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, settings_path)
+        write_json_atomic(settings_path, settings)
         for stale in folder.glob("*.tmp"):
             stale.unlink()  # a write that was killed before its rename
         self.chunks = sorted(folder.glob("chunk-*.parquet"))
@@ -303,9 +302,7 @@ def run_generate(
         "settings": settings,
         "config": as_dict(config),
     }
-    tmp = out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out_dir / "summary.json")
+    write_json_atomic(out_dir / "summary.json", summary)
     return summary
 
 

@@ -109,14 +109,49 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim))
         return apply_rope(q, cos, sin)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [Q, heads, d], k/v [K, kv_heads, d], mask [Q, K] (True = visible) -> [Q, heads * d]."""
-        group = self.heads // self.kv_heads
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        """q [Q, heads, d], k/v [K, kv_heads, d] -> [Q, heads * d].
+
+        `mask` is a bool [Q, K] tensor (True = visible) for SDPA, a flex-attention BlockMask
+        (which skips the tiles nothing in them may see), or None (everything visible).
+        """
         q = q.transpose(0, 1)[None]  # [1, heads, Q, d]
-        k = k.transpose(0, 1)[None].repeat_interleave(group, dim=1)
-        v = v.transpose(0, 1)[None].repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None])
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, K, d]
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            out = flex_attention_fn(q.device)(q, k, v, block_mask=mask, enable_gqa=True)
+        else:
+            group = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None])
         return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[2], -1))
+
+
+_COMPILED_FLEX = {}
+
+
+def flex_attention_fn(device: torch.device):
+    """flex_attention, compiled on GPU (where it becomes one fused kernel), eager elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED_FLEX["cuda"]
+
+
+def to_block_mask(mask: torch.Tensor):
+    """A dense [Q, K] DFlash mask as a flex-attention BlockMask (built once per forward)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(batch, head, query, key):
+        return mask[query, key]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex on CPU warns that it is unfused; it is only for tests there
+        return create_block_mask(visible, B=None, H=None, Q_LEN=mask.shape[0], KV_LEN=mask.shape[1], device=mask.device)
 
 
 class MLP(nn.Module):
@@ -165,8 +200,14 @@ class DFlashDrafter(nn.Module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
 
-    def project_context(self, features: torch.Tensor) -> torch.Tensor:
-        """features [C, N*H] (any float dtype) -> context [C, H]."""
+    def project_context(self, features) -> torch.Tensor:
+        """features [C, N*H] (any float dtype), or a list of per-sequence pieces -> context [C, H].
+
+        Pieces are projected one by one and only the H-wide results concatenated, so the
+        N*H-wide features (zero-copy views of memory-mapped shards) are never copied into a batch.
+        """
+        if isinstance(features, (list, tuple)):
+            return torch.cat([self.project_context(piece) for piece in features])
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -179,14 +220,19 @@ class DFlashDrafter(nn.Module):
         block_embeddings: torch.Tensor,
         block_positions: torch.Tensor,
         mask: torch.Tensor,
+        attention: str = "sdpa",
     ) -> torch.Tensor:
         """Draft many blocks in one forward.
 
-        features [C, N*H] and context_positions [C]: the context of every sequence, packed;
+        features [C, N*H] (or per-sequence pieces) and context_positions [C]: every sequence's
+        context, packed;
         block_embeddings [Q, H] and block_positions [Q]: all blocks, flattened (Q = blocks * B);
         mask [Q, C + Q] bool: which keys each block query may see (see `dflash_mask`).
+        attention: "sdpa" (dense mask) or "flex" (block-sparse flex_attention, for GPUs).
         Returns the final-norm hidden states [Q, H]; slots 1..B-1 of each block feed the head.
         """
+        if attention == "flex" and mask is not None:
+            mask = to_block_mask(mask)
         context = self.project_context(features)
         dtype = block_embeddings.dtype
         rope_context, rope_block = self._rope(context_positions, dtype), self._rope(block_positions, dtype)

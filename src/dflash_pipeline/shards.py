@@ -19,7 +19,6 @@ visible shard is always whole. The manifest records the target fingerprint, laye
 counts and each shard's sha256; `open_split` checks all of it before training or evaluation.
 """
 
-import hashlib
 import json
 import os
 import warnings
@@ -30,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import sha256_file, write_json_atomic
 
 SHARD_FORMAT_VERSION = 1
 FEATURE_DTYPES = ("bf16", "fp8_e4m3")
@@ -104,14 +104,6 @@ class ShardInfo:
     tokens: int
     bytes: int
     sha256: str
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class ShardWriter:
@@ -189,10 +181,7 @@ class Manifest:
     format_version: int = SHARD_FORMAT_VERSION
 
     def save(self, folder: Path) -> None:
-        data = asdict(self)
-        tmp = Path(folder) / "manifest.json.tmp"
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, Path(folder) / "manifest.json")
+        write_json_atomic(Path(folder) / "manifest.json", asdict(self))
 
     @classmethod
     def load(cls, folder: Path) -> "Manifest":

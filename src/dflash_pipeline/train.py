@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dflash_pipeline.config import TrainConfig, as_dict
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import write_json_atomic
 from dflash_pipeline.model import (
     DFlashDrafter,
     DrafterConfig,
@@ -161,7 +161,7 @@ def init_from_target_layers(drafter: DFlashDrafter, target: TargetInfo) -> list[
 
 @dataclass
 class Batch:
-    features: torch.Tensor  # [C, N*H] context features of every packed sequence
+    features: list[torch.Tensor]  # per sequence [S_i, N*H]; together the packed context [C, N*H]
     context_positions: torch.Tensor  # [C]
     block_ids: torch.Tensor  # [Q] anchor token, then mask tokens, per block
     block_positions: torch.Tensor  # [Q]
@@ -221,7 +221,7 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
     context_sequence_t, context_positions_t = torch.cat(context_sequence), torch.cat(context_positions)
     mask = dflash_mask(context_sequence_t, context_positions_t, torch.cat(block_sequence), torch.cat(block_anchor), torch.cat(block_index))
     return Batch(
-        features=torch.cat(features),
+        features=features,
         context_positions=context_positions_t,
         block_ids=torch.cat(block_ids),
         block_positions=torch.cat(block_positions),
@@ -264,19 +264,50 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None, None
 
 
-def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits_chunk: int, weight_total: torch.Tensor | None = None):
+@dataclass
+class TrainingVocabulary:
+    """The LM-head rows the loss normalises over: all of them, or only tokens the data uses.
+
+    Restricting the softmax to the tokens that occur in the training answers cuts the cost of
+    the frozen head (most of a small drafter's step) by the vocabulary ratio. The drafter still
+    drafts with the full head; evaluation always scores the full head.
+    """
+
+    head_rows: torch.Tensor  # [V', H] rows of the LM head
+    index_of: torch.Tensor | None  # [V] full id -> row in head_rows (-1: absent); None = full
+
+    @classmethod
+    def full(cls, head: TargetHead) -> "TrainingVocabulary":
+        return cls(head.lm_head_weight, None)
+
+    @classmethod
+    def from_tokens(cls, head: TargetHead, token_ids: torch.Tensor) -> "TrainingVocabulary":
+        token_ids = torch.unique(token_ids).to(head.lm_head_weight.device)
+        index_of = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=token_ids.device)
+        index_of[token_ids] = torch.arange(token_ids.numel(), device=token_ids.device)
+        return cls(head.lm_head_weight[token_ids].contiguous(), index_of)
+
+    def map(self, labels: torch.Tensor) -> torch.Tensor:
+        return labels if self.index_of is None else self.index_of[labels]
+
+
+def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits_chunk: int, weight_total: torch.Tensor | None = None,
+               attention: str = "sdpa", vocabulary: TrainingVocabulary | None = None):
     """Decayed CE over the drafted slots of a batch: (loss, hits [blocks, B-1], weight sum).
 
     `weight_total` (the sum over all ranks) normalises the loss so data-parallel ranks add up to
-    the same objective as one process with the whole batch.
+    the same objective as one process with the whole batch. `vocabulary` restricts the softmax.
     """
+    vocabulary = vocabulary or TrainingVocabulary.full(head)
     block_size = drafter.config.block_size
     embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
-    hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask)
+    hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
+                                    attention=attention)
     hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
     labels, weights = batch.labels.reshape(-1), batch.weights.reshape(-1).to(hidden.device)
-    keep = weights > 0  # padding slots past the sequence end or outside the answer cost nothing
-    total, hits = ChunkedHeadCrossEntropy.apply(hidden[keep], head.lm_head_weight, labels[keep].to(hidden.device), weights[keep], logits_chunk)
+    labels = vocabulary.map(labels.to(hidden.device))
+    keep = (weights > 0) & (labels >= 0)  # slots past the end, outside the answer or vocabulary cost nothing
+    total, hits = ChunkedHeadCrossEntropy.apply(hidden[keep], vocabulary.head_rows, labels[keep], weights[keep], logits_chunk)
     weight_sum = weights.sum()
     denominator = weight_total if weight_total is not None else weight_sum
     all_hits = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
@@ -288,7 +319,7 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits
 
 
 @torch.no_grad()
-def teacher_forced_tau(drafter: DFlashDrafter, head: TargetHead, batches: list[Batch]) -> dict:
+def teacher_forced_tau(drafter: DFlashDrafter, head: TargetHead, batches: list[Batch], *, attention: str = "sdpa") -> dict:
     """Held-out acceptance length with teacher forcing, on fixed validation blocks.
 
     For each block anchored at a, the drafter sees the target's features of positions < a and
@@ -301,7 +332,8 @@ def teacher_forced_tau(drafter: DFlashDrafter, head: TargetHead, batches: list[B
     taus, slot_hits, slot_counts = [], None, None
     for batch in batches:
         embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
-        hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask)
+        hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
+                                        attention=attention)
         block_size = drafter.config.block_size
         hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:]
         predictions = head.logits(hidden).argmax(-1)  # [blocks, B-1]
@@ -431,9 +463,7 @@ def _save_state(out_dir: Path, *, step: int, optimizer, curve: list[dict], recor
     tmp = out_dir / "state.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, out_dir / "state.pt")
-    tmp_json = out_dir / "state.json.tmp"
-    tmp_json.write_text(json.dumps({"step": step, "curve": curve, **record}, sort_keys=True) + "\n")
-    os.replace(tmp_json, out_dir / "state.json")
+    write_json_atomic(out_dir / "state.json", {"step": step, "curve": curve, **record})
 
 
 def _resume_point(out_dir: Path, record: dict) -> dict | None:
@@ -502,6 +532,7 @@ def run_train(
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     on_gpu = device.startswith("cuda")
+    attention = config.attention if config.attention != "auto" else ("flex" if on_gpu else "sdpa")
     torch.manual_seed(config.seed)
     if not on_gpu:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -535,6 +566,11 @@ def run_train(
             drafter.norm.weight.data.copy_(final_norm.float())
     drafter.to(device).train()
     head = load_target_head(target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    if config.train_vocab == "data":
+        answer_tokens = torch.cat([train_set[i].input_ids[train_set[i].loss_mask.bool()].long() for i in range(len(train_set))])
+        vocabulary = TrainingVocabulary.from_tokens(head, answer_tokens)
+    else:
+        vocabulary = TrainingVocabulary.full(head)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -570,12 +606,12 @@ def run_train(
                                            tokens_per_batch=config.tokens_per_step) if rank == 0 else []
     if rank == 0:
         log(f"train: drafter {config.num_layers} layer(s), {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params "
-            f"(init {init_note}); block {config.block_size}, gamma {gamma}; mask token {mask_token_id} ({mask_reason}); "
-            f"{len(train_set)} train sequences / {manifest.tokens:,} tokens; {config.max_steps} steps on {device} x{world}")
+            f"(init {init_note}); block {config.block_size}, gamma {gamma}; softmax over {vocabulary.head_rows.shape[0]} tokens; mask token {mask_token_id} ({mask_reason}); "
+            f"{len(train_set)} train sequences / {manifest.tokens:,} tokens; {config.max_steps} steps on {device} x{world}, {attention} attention")
 
     def evaluate(step: int) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-            result = teacher_forced_tau(drafter, head, [_to(b, device) for b in val_batches])
+            result = teacher_forced_tau(drafter, head, [_to(b, device) for b in val_batches], attention=attention)
         return result
 
     bar = tqdm(total=config.max_steps, initial=start_step, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
@@ -596,7 +632,8 @@ def run_train(
             batch = _to(batch, device)
             weight_total = _all_reduce(batch.weights.sum().to(device), world)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                loss, hits, _ = block_loss(drafter, head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total)
+                loss, hits, _ = block_loss(drafter, head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
+                                           attention=attention, vocabulary=vocabulary)
             hits = hits.cpu()
             loss_value = _all_reduce(loss.detach().clone(), world)
             if not torch.isfinite(loss_value):
@@ -614,6 +651,7 @@ def run_train(
             optimizer.step()
             tokens_seen += int(_all_reduce(torch.tensor(float(batch.context_tokens), device=device), world).item())
             row = {"step": step + 1, "loss": round(loss_value.item(), 6), "lr": lr, "grad_norm": round(float(grad_norm), 4),
+                   "seconds": round(time.perf_counter() - started, 2),
                    "slot1_acc": round(float(hits[:, 0][batch.weights[:, 0] > 0].float().mean()), 4) if hits.numel() else None}
             recent = (recent + [loss_value.item()])[-20:]
             if rank == 0 and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
@@ -660,5 +698,7 @@ def run_train(
 def _to(batch: Batch, device: str) -> Batch:
     if device == "cpu":
         return batch
-    return Batch(**{k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in ("labels", "weights") else v)
-                    for k, v in batch.__dict__.items()})
+    moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in ("labels", "weights") else v)
+             for k, v in batch.__dict__.items()}
+    moved["features"] = [piece.to(device, non_blocking=True) for piece in batch.features]
+    return Batch(**moved)

@@ -1,0 +1,118 @@
+"""Benchmark: a training step fed by the shard loader vs the same step on samples already in memory.
+
+    python bench/train.py [--steps 12] [--rounds 2]
+
+Needs the `capture` stage's shards. Both variants run the same steps (same sequences, anchors,
+drafter initialisation and recipe from params.yaml) in this one process, alternating round by
+round; the only difference is where each step's samples come from: memory-mapped shards opened
+for the run (`open_split`), or tensors copied into memory beforehand. Prints the step-time ratio
+(goal <= 1.05), context and trained tokens per second, and on a GPU the model FLOP utilisation.
+"""
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _run(samples_for, plan, config, drafter_state, head, vocabulary, mask_token_id, gamma, device, attention):
+    import torch
+
+    from dflash_pipeline.model import DFlashDrafter
+    from dflash_pipeline.train import _to, block_loss, build_batch
+
+    drafter = DFlashDrafter(drafter_state["config"]).to(device)
+    drafter.load_state_dict(drafter_state["weights"])
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95))
+    context_tokens = trained = 0
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for step, indices in enumerate(plan):
+        batch = build_batch(samples_for(indices), anchors_per_sequence=config.anchors_per_sequence, block_size=config.block_size,
+                            mask_token_id=mask_token_id, gamma=gamma, anchor_seeds=[step * 1000 + i for i in range(len(indices))])
+        batch = _to(batch, device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+            loss, _, _ = block_loss(drafter, head, batch, logits_chunk=config.logits_chunk, attention=attention, vocabulary=vocabulary)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
+        optimizer.step()
+        context_tokens += batch.context_tokens
+        trained += int((batch.weights > 0).sum())
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, context_tokens, trained, drafter
+
+
+@click.command()
+@click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
+@click.option("--steps", default=12, show_default=True)
+@click.option("--rounds", default=2, show_default=True)
+@click.option("--device", default=None)
+def main(hidden, target_json, steps, rounds, device):
+    import torch
+
+    from dflash_pipeline.config import load_params
+    from dflash_pipeline.model import DFlashDrafter, count_parameters, default_gamma
+    from dflash_pipeline.shards import Sample, open_split
+    from dflash_pipeline.target import TargetInfo
+    from dflash_pipeline.train import TrainingVocabulary, drafter_config_for, load_target_head, plan_steps
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = load_params("params.yaml").train
+    target = TargetInfo.from_json(target_json)
+    dataset = open_split(hidden / "train", expected_fingerprint=target.fingerprint)
+    plan = plan_steps(dataset.lengths(), tokens_per_step=config.tokens_per_step, max_steps=steps, seed=config.seed)
+    gamma = config.gamma or default_gamma(config.block_size)
+    mask_token_id = config.mask_token_id if config.mask_token_id is not None else 0
+    drafter_config = drafter_config_for(target, replace(config), layer_ids=dataset.manifest.layer_ids, mask_token_id=mask_token_id, extra={})
+    torch.manual_seed(0)
+    initial = DFlashDrafter(drafter_config)
+    state = {"config": drafter_config, "weights": {k: v.clone() for k, v in initial.state_dict().items()}}
+    head = load_target_head(target, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if config.train_vocab == "data":
+        vocabulary = TrainingVocabulary.from_tokens(head, torch.cat([dataset[i].input_ids[dataset[i].loss_mask.bool()].long() for i in range(len(dataset))]))
+    else:
+        vocabulary = TrainingVocabulary.full(head)
+    attention = config.attention if config.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
+    needed = sorted({i for step in plan for i in step})
+    in_memory = {i: Sample(s.sequence_id, s.input_ids.clone(), s.loss_mask.clone(), s.target_next.clone(), s.features.clone())
+                 for i, s in ((i, dataset[i]) for i in needed)}
+    print(f"{steps} steps of ~{config.tokens_per_step} context tokens, {config.anchors_per_sequence} anchors/sequence, block "
+          f"{config.block_size}, {config.num_layers} layer(s) ({count_parameters(initial) / 1e6:.1f}M params), softmax over "
+          f"{vocabulary.head_rows.shape[0]} tokens, {attention} attention, {device}, torch threads {torch.get_num_threads()}")
+
+    loader = open_split(hidden / "train", verify="none")
+    sources = {"shard loader": lambda indices: [loader[i] for i in indices],
+               "in memory": lambda indices: [in_memory[i] for i in indices]}
+    _run(sources["in memory"], plan[:2], config, state, head, vocabulary, mask_token_id, gamma, device, attention)  # warm-up
+    totals = {name: [0.0, 0, 0] for name in sources}
+    for round_index in range(rounds):
+        for name, source in sources.items():
+            seconds, context_tokens, trained, drafter = _run(source, plan, config, state, head, vocabulary, mask_token_id, gamma, device, attention)
+            totals[name][0] += seconds
+            totals[name][1] += context_tokens
+            totals[name][2] += trained
+            print(f"round {round_index + 1}: {name:12s} {seconds / steps * 1e3:7.1f} ms/step")
+    loader_s, memory_s = totals["shard loader"][0], totals["in memory"][0]
+    print(f"step time, shard loader / in memory = {loader_s / memory_s:.3f} (goal <= 1.05)")
+    seconds, context_tokens, trained = totals["shard loader"]
+    print(f"throughput: {context_tokens / seconds:.0f} context tokens/s, {trained / seconds:.0f} trained positions/s")
+    if device.startswith("cuda"):
+        # 6 FLOPs per parameter per trained query token for the drafter (forward + backward),
+        # plus the head: 2 matmuls of [positions, H] x [H, V'] (logits and hidden gradient).
+        hidden_size = drafter_config.hidden_size
+        flops = 6 * count_parameters(initial) * (trained * drafter_config.block_size / (drafter_config.block_size - 1))
+        flops += 2 * 2 * trained * hidden_size * vocabulary.head_rows.shape[0]
+        peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # dense bf16 peak of an H100/H200 SXM
+        print(f"model FLOP utilisation ~{flops / seconds / peak * 100:.1f}% of {peak / 1e12:.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
