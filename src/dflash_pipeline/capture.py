@@ -16,7 +16,6 @@ r, r + world, ... of the same plan (rank 0 writes the manifests once all ranks a
 """
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import sha256_file, write_json_atomic
+from dflash_pipeline.files import reuse_or_reset, sha256_file
 from dflash_pipeline.generate import read_generated
 from dflash_pipeline.shards import (
     SHARD_GLOB,
@@ -209,26 +208,6 @@ def _plan_digest(sequences: list[Sequence]) -> str:
     return digest.hexdigest()
 
 
-def _prepare_split_folder(folder: Path, record: dict) -> int:
-    """Keep shards only when they were made with this exact record; return how many were dropped."""
-    record_path = folder / "capture.json"
-    dropped = 0
-    if folder.is_dir():
-        try:
-            previous = json.loads(record_path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            previous = None
-        if previous != record:
-            dropped = len(list(folder.glob(SHARD_GLOB)))
-            shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for leftover in folder.glob("*.tmp"):
-        leftover.unlink()  # a shard or manifest whose writer was killed before its rename
-    if not record_path.is_file():
-        write_json_atomic(record_path, record)
-    return dropped
-
-
 def _shard_name(number: int) -> str:
     return f"shard-{number:05d}.arrow"
 
@@ -290,7 +269,7 @@ def capture_split(
     total_tokens = sum(shard_tokens)
     if rank == 0:
         # Decide, estimate and check the disk before any rank writes a byte.
-        dropped = _prepare_split_folder(out_dir, record)
+        dropped = reuse_or_reset(out_dir, "capture.json", record, SHARD_GLOB)
         if dropped:
             print(f"capture {split}: inputs or settings changed; removed {dropped} old shard(s)")
         missing = [n for n in range(len(plan)) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]

@@ -4,6 +4,7 @@ content hashing. A killed stage leaves at most a `*.tmp` file behind, never a ha
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -24,3 +25,26 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def reuse_or_reset(folder: Path, record_name: str, record: dict, counted: str) -> int:
+    """Prepare a resumable output folder: keep its contents only if `record_name` in it equals
+    `record` (the settings they were made with), else empty it. Returns how many `counted`-glob
+    files were discarded. Leftover `*.tmp` files of killed writers are removed either way."""
+    folder = Path(folder)
+    record_path = folder / record_name
+    discarded = 0
+    if folder.is_dir():
+        try:
+            previous = json.loads(record_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            previous = None
+        if previous != record:
+            discarded = len(list(folder.glob(counted)))
+            shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.glob("*.tmp"):
+        leftover.unlink()
+    if not record_path.is_file():
+        write_json_atomic(record_path, record)
+    return discarded

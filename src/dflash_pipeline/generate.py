@@ -17,7 +17,6 @@ never re-tokenise. A killed run resumes from its chunks; chunks generated with o
 
 import json
 import os
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.config import GenerateConfig, as_dict
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import write_json_atomic
+from dflash_pipeline.files import reuse_or_reset, write_json_atomic
 from dflash_pipeline.prompts import Prompt, PromptSet
 from dflash_pipeline.target import TargetInfo
 
@@ -158,20 +157,7 @@ class AnswerCache:
         self.folder = folder
         self.settings = settings
         self.rows: dict[str, dict] = {}
-        self.discarded = 0
-        settings_path = folder / "settings.json"
-        if folder.is_dir():
-            try:
-                stored = json.loads(settings_path.read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                stored = None
-            if stored != settings:
-                self.discarded = len(list(folder.glob("chunk-*.parquet")))
-                shutil.rmtree(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(settings_path, settings)
-        for stale in folder.glob("*.tmp"):
-            stale.unlink()  # a write that was killed before its rename
+        self.discarded = reuse_or_reset(folder, "settings.json", settings, "chunk-*.parquet")
         self.chunks = sorted(folder.glob("chunk-*.parquet"))
         for chunk in self.chunks:
             try:
