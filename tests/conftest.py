@@ -173,3 +173,21 @@ def write_generated(folder, rows_per_split, *, seed=0, prompt_len=(20, 60), answ
                          "finish_reason": "length"})
         pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), folder / f"{split}.parquet")
     return folder
+
+
+def start_then_kill_9(cmd: list[str], cwd: Path, ready, *, process_group: bool = False, timeout: float = 300) -> None:
+    """Start `cmd`, wait until `ready()` is true while it still runs, then SIGKILL it (and its group)."""
+    import signal
+    import time
+
+    process = subprocess.Popen(cmd, cwd=cwd, env=stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=process_group)
+    deadline = time.time() + timeout
+    while time.time() < deadline and not ready():
+        assert process.poll() is None, f"{cmd[0]} finished before it could be killed; make the run longer"
+        time.sleep(0.01)
+    if process_group:
+        os.killpg(process.pid, signal.SIGKILL)
+    else:
+        process.send_signal(signal.SIGKILL)
+    process.wait()

@@ -2,17 +2,14 @@
 
 import filecmp
 import json
-import signal
-import subprocess
 import sys
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run, stage_env, write_generated
+from conftest import REPO_ROOT, run, start_then_kill_9, write_generated
 from dflash_pipeline.capture import LayerTap, Sequence, build_target_layer_ids, forward_batch, load_sequences, plan_shards
 from dflash_pipeline.config import CaptureConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
@@ -152,14 +149,8 @@ def test_stage_writes_verified_shards_and_kill_9_resume_is_byte_identical(tiny, 
         assert (sample.target_next == out.logits[0].argmax(-1).int()).float().mean() > 0.99
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen(_capture_cmd(params, generated, target_json, killed), cwd=tmp_path, env=stage_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list((killed / "train").glob("shard-*.arrow"))) < 2:
-        assert process.poll() is None, "capture finished before it could be killed"
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    start_then_kill_9(_capture_cmd(params, generated, target_json, killed), tmp_path,
+                      lambda: len(list((killed / "train").glob("shard-*.arrow"))) >= 2)
     done = len(list((killed / "train").glob("shard-*.arrow")))
     assert 2 <= done < len(manifest.shards) and not (killed / "train" / "manifest.json").exists()
     resumed = run(_capture_cmd(params, generated, target_json, killed), cwd=tmp_path)

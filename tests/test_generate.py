@@ -1,15 +1,12 @@
 """Stage `generate`: batched greedy decoding, resume after kill -9, the stage's outputs."""
 
 import json
-import signal
-import subprocess
 import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO_ROOT, SAMPLE_PROMPTS, run, stage_env, write_jsonl
+from conftest import REPO_ROOT, SAMPLE_PROMPTS, run, start_then_kill_9, write_jsonl
 from dflash_pipeline.config import GenerateConfig
 from dflash_pipeline.generate import GENERATED_SCHEMA, greedy_generate, read_generated, render_prompt, run_generate
 from dflash_pipeline.prompts import read_prompts
@@ -135,14 +132,8 @@ def test_kill_9_then_rerun_resumes_without_loss_or_duplicates(tiny_target, tmp_p
     run(_generate_cmd(tmp_path, prompts, target_json, reference), cwd=tmp_path)
 
     out = tmp_path / "killed"
-    process = subprocess.Popen(_generate_cmd(tmp_path, prompts, target_json, out), cwd=tmp_path, env=stage_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list((out / "chunks").glob("chunk-*.parquet"))) < 3:
-        assert process.poll() is None, "the run finished before it could be killed; make it longer"
-        time.sleep(0.02)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    start_then_kill_9(_generate_cmd(tmp_path, prompts, target_json, out), tmp_path,
+                      lambda: len(list((out / "chunks").glob("chunk-*.parquet"))) >= 3)
     written = len(list((out / "chunks").glob("chunk-*.parquet")))
     assert 3 <= written < 40 and not (out / "train.parquet").exists()
 

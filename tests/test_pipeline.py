@@ -1,15 +1,11 @@
 """The pipeline as users drive it: real `dvc repro` in a fresh git repo on the tiny target."""
 
 import json
-import os
-import signal
-import subprocess
-import time
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import SAMPLE_PROMPTS, run, set_params, stage_env, write_jsonl
+from conftest import SAMPLE_PROMPTS, run, set_params, start_then_kill_9, write_jsonl
 from dflash_pipeline.shards import open_split
 
 
@@ -91,15 +87,8 @@ def test_kill_9_during_dvc_repro_then_repro_resumes(tiny_pipeline):
     repo = tiny_pipeline
     set_params(repo, generate={"max_prompts": 38, "batch_size": 1, "max_new_tokens": 24})
     dvc(repo, "repro", "target")
-    process = subprocess.Popen(["dvc", "repro"], cwd=repo, env=stage_env(), start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     chunks = repo / "data" / "generated" / "chunks"
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list(chunks.glob("chunk-*.parquet"))) < 3:
-        assert process.poll() is None, "dvc repro finished before it could be killed"
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    start_then_kill_9(["dvc", "repro"], repo, lambda: len(list(chunks.glob("chunk-*.parquet"))) >= 3, process_group=True)
     written = len(list(chunks.glob("chunk-*.parquet")))
     assert 3 <= written < 38
 

@@ -2,17 +2,14 @@
 
 import json
 import math
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
 import torch
 import yaml
 
-from conftest import REPO_ROOT, run, stage_env, write_generated
+from conftest import REPO_ROOT, run, start_then_kill_9, write_generated
 from dflash_pipeline.capture import run_capture
 from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
 from dflash_pipeline.errors import PipelineError
@@ -175,14 +172,8 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_curve(tiny_run, tmp_path):
     expected = json.loads((reference / "state.json").read_text())["curve"]
 
     out = tmp_path / "killed" / "ck"
-    process = subprocess.Popen(_stage_cmd(tmp_path, tiny_run, out, max_steps=120, save_every=4, eval_every=40), cwd=tmp_path,
-                               env=stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and len(list_checkpoints(out)) < 3:
-        assert process.poll() is None, "training finished before it could be killed"
-        time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    start_then_kill_9(_stage_cmd(tmp_path, tiny_run, out, max_steps=120, save_every=4, eval_every=40), tmp_path,
+                      lambda: len(list_checkpoints(out)) >= 3)
     assert (out / "state.json").exists() and not (out / "step_000120").exists()
     result = run(_stage_cmd(tmp_path, tiny_run, out, max_steps=120, save_every=4, eval_every=40), cwd=tmp_path)
     assert "resuming at step" in result.stdout + result.stderr

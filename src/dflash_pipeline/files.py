@@ -48,3 +48,15 @@ def reuse_or_reset(folder: Path, record_name: str, record: dict, counted: str) -
     if not record_path.is_file():
         write_json_atomic(record_path, record)
     return discarded
+
+
+def read_json(path: Path, *, missing: str):
+    """Parse a JSON file; a missing or malformed file is one PipelineError line naming it."""
+    from dflash_pipeline.errors import PipelineError
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: {missing}") from None
+    except json.JSONDecodeError as exc:
+        raise PipelineError(f"{path}: not valid JSON ({exc.msg})") from None

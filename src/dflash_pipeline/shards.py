@@ -19,7 +19,6 @@ visible shard is always whole. The manifest records the target fingerprint, laye
 counts and each shard's sha256; `open_split` checks all of it before training or evaluation.
 """
 
-import json
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import sha256_file, write_json_atomic
+from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
 
 SHARD_FORMAT_VERSION = 1
 FEATURE_DTYPES = ("bf16", "fp8_e4m3")
@@ -186,12 +185,7 @@ class Manifest:
     @classmethod
     def load(cls, folder: Path) -> "Manifest":
         path = Path(folder) / "manifest.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise PipelineError(f"{path}: no manifest; run the `capture` stage first (dvc repro capture)") from None
-        except json.JSONDecodeError as exc:
-            raise PipelineError(f"{path}: not valid JSON ({exc.msg})") from None
+        data = read_json(path, missing="no manifest; run the `capture` stage first (dvc repro capture)")
         if data.get("format_version") != SHARD_FORMAT_VERSION:
             raise PipelineError(f"{path}: format_version {data.get('format_version')!r}, this code reads {SHARD_FORMAT_VERSION}")
         try:

