@@ -19,6 +19,7 @@ def tiny_pipeline(pipeline_repo, tiny_llama_dir):
         generate={"prompts": "data/prompts/small.jsonl", "max_prompts": 8, "max_new_tokens": 8, "batch_size": 4},
         capture={"layer_ids": [1, 3], "shard_mb": 1},
         train={"max_steps": 4, "eval_every": 2, "save_every": 2, "eval_blocks": 16, "tokens_per_step": 256},
+        evaluate={"anchors_per_sequence": 4, "num_prompts": 1, "max_new_tokens": 6},
     )
     return pipeline_repo
 
@@ -30,7 +31,7 @@ def dvc(repo, *args, check=True):
 def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
     repo = tiny_pipeline
     first = dvc(repo, "repro")
-    for stage in ("target", "generate", "capture"):
+    for stage in ("target", "generate", "capture", "train", "evaluate", "export"):
         assert f"Running stage '{stage}'" in first.stdout
     train = pq.read_table(repo / "data" / "generated" / "train.parquet")
     val = pq.read_table(repo / "data" / "generated" / "val.parquet")
@@ -105,3 +106,30 @@ def test_bad_param_fails_the_stage_with_the_key(tiny_pipeline):
     result = dvc(repo, "repro", check=False)
     assert result.returncode != 0
     assert "error: params.yaml: unknown key 'generate.batch_sise'" in result.stderr + result.stdout
+
+
+def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(tiny_pipeline):
+    repo = tiny_pipeline
+    dvc(repo, "repro")
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "baseline run"], repo)
+    baseline_eval = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
+    assert {"tau", "tau_ci95", "ddtree8_streak", "e2e_tau", "speedup", "lossless_rate", "break_even_tau"} <= set(baseline_eval)
+    assert baseline_eval["lossless_rate"] == 1.0
+    assert (repo / "data" / "export" / "drafter" / "config.json").is_file()
+
+    experiment = dvc(repo, "exp", "run", "-S", "train.lr=0.01", "-S", "evaluate.anchors_per_sequence=6")
+    for stage in ("train", "evaluate", "export"):
+        assert f"Running stage '{stage}'" in experiment.stdout
+    for stage in ("target", "generate", "capture"):
+        assert f"Running stage '{stage}'" not in experiment.stdout
+
+    params = json.loads(dvc(repo, "params", "diff", "--json").stdout)["params.yaml"]
+    assert (params["train.lr"]["old"], params["train.lr"]["new"]) == (0.002, 0.01)
+    metrics = json.loads(dvc(repo, "metrics", "diff", "--json").stdout)
+    train_loss = metrics["data/metrics/train.json"]["loss"]
+    assert train_loss["old"] != train_loss["new"]
+    blocks = metrics["data/metrics/eval.json"]["blocks"]
+    assert blocks["new"] > blocks["old"]  # more anchors per val sequence: more blocks scored
+    shown = dvc(repo, "exp", "show", "--csv").stdout
+    assert "0.01" in shown.splitlines()[-1] or any("0.01" in line for line in shown.splitlines()[1:])

@@ -156,14 +156,56 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class EvaluateConfig:
+    # "final", "all", or a list of checkpoint steps, e.g. [300, 900].
+    checkpoints: str | list[int] = "all"
+    # Drafter folders in the public DFlash format (config.json + safetensors), scored side by side.
+    baselines: list[str] = dataclasses.field(default_factory=list)
+    # Teacher-forced blocks per val sequence (anchors drawn once, the same for every drafter); 0 = all.
+    anchors_per_sequence: int = 64
+    # Context tokens per batched teacher-forced forward.
+    tokens_per_batch: int = 4096
+    # DDTree node budgets; 8 gives ddtree8_streak.
+    tree_budgets: list[int] = dataclasses.field(default_factory=lambda: [4, 8, 16])
+    # End-to-end speculative decoding: val prompts and answer length (0 prompts skips it).
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    seed: int = 0
+
+    def validate(self, source: str) -> None:
+        checks = [
+            ("checkpoints", self.checkpoints in ("final", "all") or isinstance(self.checkpoints, list), "must be 'final', 'all' or a list of steps"),
+            ("anchors_per_sequence", self.anchors_per_sequence >= 0, "must be >= 0"),
+            ("tokens_per_batch", self.tokens_per_batch >= 1, "must be >= 1"),
+            ("tree_budgets", all(b >= 1 for b in self.tree_budgets), "must hold budgets >= 1"),
+            ("num_prompts", self.num_prompts >= 0, "must be >= 0"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+        ]
+        _check(checks, self, "evaluate", source)
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    # Weights dtype of the exported drafter: float32 is the checkpoint bit for bit (evaluate
+    # scores it identically); bfloat16 halves the files, as published drafters ship.
+    dtype: str = "float32"
+
+    def validate(self, source: str) -> None:
+        _check([("dtype", self.dtype in ("float32", "bfloat16"), "must be 'float32' or 'bfloat16'")], self, "export", source)
+
+
+@dataclass(frozen=True)
 class Params:
     target: TargetConfig
     generate: GenerateConfig
     capture: CaptureConfig
     train: TrainConfig
+    evaluate: EvaluateConfig
+    export: ExportConfig
 
 
-SECTIONS: dict[str, type] = {"target": TargetConfig, "generate": GenerateConfig, "capture": CaptureConfig, "train": TrainConfig}
+SECTIONS: dict[str, type] = {"target": TargetConfig, "generate": GenerateConfig, "capture": CaptureConfig, "train": TrainConfig,
+                             "evaluate": EvaluateConfig, "export": ExportConfig}
 
 
 def _check(checks: list, config: object, section: str, source: str) -> None:

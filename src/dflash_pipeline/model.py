@@ -278,7 +278,9 @@ class TargetHead(nn.Module):
         return F.embedding(ids, self.embed_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.to(self.lm_head_weight.dtype) @ self.lm_head_weight.T
+        # One contiguous 2-D matmul: a strided 3-D input takes a batched path ~10x slower on CPU.
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head_weight.dtype).contiguous()
+        return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], -1)
 
 
 class DraftCache:

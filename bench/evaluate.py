@@ -1,0 +1,79 @@
+"""Benchmark: batched teacher-forced evaluation vs a plain loop that drafts one block per forward.
+
+    python bench/evaluate.py [--checkpoint data/checkpoints/step_000900] [--sequences 8]
+
+Needs the `capture` and `train` outputs. Both paths score the same blocks (same anchors, same
+DDTree budgets) of the val shards in this one process and must give identical numbers; the
+benchmark checks that, then prints their times and the ratio for:
+
+- the story's setting: 3 prompts x 15 blocks;
+- a larger subset (`--sequences` val prompts x `evaluate.anchors_per_sequence` blocks);
+- and the time of the default evaluation of one checkpoint (every val prompt, batched only).
+"""
+
+import os
+import time
+from pathlib import Path
+
+import click
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _timed(function):
+    started = time.perf_counter()
+    result = function()
+    return result, time.perf_counter() - started
+
+
+@click.command()
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Default: the last checkpoint in data/checkpoints.")
+@click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden/val", show_default=True)
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
+@click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
+@click.option("--sequences", default=8, show_default=True, help="Val prompts in the larger side-by-side comparison.")
+def main(checkpoint, hidden, target_json, params_path, sequences):
+    import numpy as np
+    import torch
+
+    from dflash_pipeline.config import load_params
+    from dflash_pipeline.evaluate import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.shards import open_split
+    from dflash_pipeline.target import TargetInfo
+    from dflash_pipeline.train import list_checkpoints, load_checkpoint, load_target_head
+
+    config = load_params(params_path).evaluate
+    target = TargetInfo.from_json(target_json)
+    checkpoint = checkpoint or list_checkpoints(Path("data/checkpoints"))[-1]
+    drafter, _ = load_checkpoint(checkpoint)
+    head = load_target_head(target, device="cpu", dtype=torch.float32)
+    dataset = open_split(hidden, expected_fingerprint=target.fingerprint)
+    budgets = list(config.tree_budgets)
+    print(f"drafter {checkpoint} ({drafter.config.num_layers} layer(s), block {drafter.config.block_size}); "
+          f"{len(dataset)} val prompts; torch threads {torch.get_num_threads()}")
+
+    def compare(label, chosen, anchors):
+        kwargs = dict(anchors_per_sequence=anchors, tree_budgets=budgets, seed=config.seed, sequences=chosen)
+        score_teacher_forced(drafter, head, dataset, tokens_per_batch=config.tokens_per_batch, **{**kwargs, "sequences": chosen[:1]})  # warm-up
+        batched, batched_s = _timed(lambda: score_teacher_forced(drafter, head, dataset, tokens_per_batch=config.tokens_per_batch, **kwargs))
+        plain, plain_s = _timed(lambda: score_one_block_at_a_time(drafter, head, dataset, **kwargs))
+        same = all(np.array_equal(getattr(batched, n), getattr(plain, n)) for n in ("sequence", "anchor", "correct", "valid"))
+        same &= all(np.array_equal(batched.streaks[b], plain.streaks[b]) for b in budgets)
+        blocks = batched.tau.shape[0]
+        print(f"{label}: {blocks} blocks; one block per forward {plain_s:.2f} s ({blocks / plain_s:.0f} blocks/s), "
+              f"batched {batched_s:.2f} s ({blocks / batched_s:.0f} blocks/s): {plain_s / batched_s:.1f}x faster; "
+              f"identical numbers: {same}; tau {batched.tau.mean():.3f}")
+        return same
+
+    ok = compare("story setting (3 prompts x 15 blocks)", [0, 1, 2], 15)
+    ok &= compare(f"{sequences} prompts x {config.anchors_per_sequence} blocks", list(range(sequences)), config.anchors_per_sequence)
+    full, full_s = _timed(lambda: score_teacher_forced(drafter, head, dataset, anchors_per_sequence=config.anchors_per_sequence,
+                                                       tokens_per_batch=config.tokens_per_batch, tree_budgets=budgets, seed=config.seed))
+    print(f"default evaluation of one checkpoint: {full.tau.shape[0]} blocks of {len(dataset)} prompts in {full_s:.1f} s "
+          f"({full.tau.shape[0] / full_s:.0f} blocks/s)")
+    if not ok:
+        raise SystemExit("batched and one-block-at-a-time numbers differ")
+
+
+if __name__ == "__main__":
+    main()

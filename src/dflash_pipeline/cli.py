@@ -1,0 +1,385 @@
+"""`dflash-pipeline`: the console command for work outside the DVC pipeline.
+
+    dflash-pipeline evaluate data/checkpoints/step_000900 path/to/zlab-drafter \\
+        --target data/target/target.json --shards data/hidden/val --prompts data/generated/val.parquet
+    dflash-pipeline verify-shards data/hidden/val
+    dflash-pipeline show data/checkpoints/step_000900
+    dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
+
+Each subcommand is a thin shell over the library, like the stage scripts: it resolves paths, builds
+a config from its options (never params.yaml), calls the library and prints. Every failure, usage
+mistakes included, is one line `error: ...` on stderr and exit status 1.
+"""
+
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from dflash_pipeline.config import EvaluateConfig, TargetConfig
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+
+DEFAULTS = EvaluateConfig()
+EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+
+
+class OneLineGroup(click.Group):
+    """A click group whose usage mistakes (missing argument, path that does not exist, bad option
+    value, unknown command) are one line `error: ...` and exit 1, like every other failure."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            click.echo(exc.ctx.get_help())
+            sys.exit(0)
+        except click.ClickException as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) is not None else ""
+            click.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
+            sys.exit(1)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """DFlash drafter tools outside the DVC pipeline: score, verify, inspect and export.
+
+    Hub downloads stay off unless HF_HUB_OFFLINE=0 is set.
+    """
+    offline_by_default()
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def folder_kind(folder: Path) -> str:
+    """What `folder` holds: a training "checkpoint" (checkpoint.json), a serving-format "drafter"
+    (config.json), a capture "split" (manifest.json) or "splits" (a capture output of split folders)."""
+    if (folder / "checkpoint.json").is_file():
+        return "checkpoint"
+    if (folder / "config.json").is_file():
+        return "drafter"
+    if (folder / "manifest.json").is_file():
+        return "split"
+    if split_folders(folder):
+        return "splits"
+    hint = " (a training run folder: name one of its step_NNNNNN folders)" if any(folder.glob("step_*/checkpoint.json")) else ""
+    raise PipelineError(f"{folder}: not a checkpoint folder (checkpoint.json), a DFlash drafter folder (config.json) "
+                        f"or a shard split folder (manifest.json){hint}")
+
+
+def split_folders(folder: Path) -> list[Path]:
+    """The split folders at `folder`: itself when it holds a manifest, else its subfolders that do."""
+    if (folder / "manifest.json").is_file():
+        return [folder]
+    return sorted(p for p in folder.iterdir() if (p / "manifest.json").is_file()) if folder.is_dir() else []
+
+
+def target_info(path: Path):
+    """A target.json (or the target stage's folder holding one), or a local Hugging Face model
+    folder, fingerprinted now exactly as the `target` stage would."""
+    from dflash_pipeline.target import TargetInfo, prepare_target
+
+    if path.is_file():
+        return TargetInfo.from_json(path)
+    if (path / "target.json").is_file():
+        return TargetInfo.from_json(path / "target.json")
+    if (path / "config.json").is_file():
+        with tempfile.TemporaryDirectory(prefix="dflash-target-") as scratch:
+            prepare_target(TargetConfig(model=str(path.resolve())), out_dir=Path(scratch))
+            return TargetInfo.from_json(Path(scratch) / "target.json")  # it records the model's absolute path
+    raise PipelineError(f"{path}: neither a target.json nor a Hugging Face model folder (config.json)")
+
+
+def generated_val(path: Path | None) -> Path | None:
+    """The generate stage's val.parquet (given as the file or its folder), its schema checked."""
+    from dflash_pipeline.generate import read_generated
+
+    if path is None:
+        return None
+    path = path / "val.parquet" if path.is_dir() else path
+    read_generated(path)
+    return path
+
+
+def parse_tree_budgets(ctx, param, value: str) -> list[int]:
+    try:
+        budgets = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 4,8,16") from None
+    if any(budget < 1 for budget in budgets):
+        raise click.BadParameter(f"{value!r}: every budget must be >= 1")
+    return budgets
+
+
+def size(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if count < 1024:
+            return f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TB"
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+@main.command(short_help="Score checkpoints and baseline drafters side by side.")
+@click.argument("drafters", metavar="DRAFTER...", nargs=-1, required=True, type=EXISTING_DIR)
+@click.option("--target", "target_path", required=True, type=click.Path(exists=True, path_type=Path),
+              help="The target stage's target.json, or a local Hugging Face model folder (fingerprinted on the fly).")
+@click.option("--shards", "shards_dir", required=True, type=EXISTING_DIR,
+              help="A capture split folder (data/hidden/val), scored teacher-forced; a capture output folder means its val/.")
+@click.option("--prompts", "prompts_path", type=click.Path(exists=True, path_type=Path), default=None,
+              help="The generate stage's val.parquet (or its folder): prompts for end-to-end decoding and prompt "
+                   "categories. Without it, end-to-end decoding is skipped.")
+@click.option("--anchors", type=click.IntRange(min=0), default=DEFAULTS.anchors_per_sequence, show_default=True,
+              help="Teacher-forced blocks per val sequence (0: every anchor).")
+@click.option("--tree-budgets", callback=parse_tree_budgets, default=",".join(map(str, DEFAULTS.tree_budgets)), show_default=True,
+              help="DDTree node budgets, comma-separated.")
+@click.option("--e2e-prompts", type=click.IntRange(min=0), default=DEFAULTS.num_prompts, show_default=True,
+              help="Val prompts decoded end to end (0 skips it).")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=DEFAULTS.max_new_tokens, show_default=True,
+              help="Answer length of each end-to-end decode.")
+@click.option("--tokens-per-batch", type=click.IntRange(min=1), default=DEFAULTS.tokens_per_batch, show_default=True,
+              help="Context tokens per batched teacher-forced forward.")
+@click.option("--seed", type=int, default=DEFAULTS.seed, show_default=True,
+              help="Seed of the anchor draw (the same anchors for every drafter).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Also write the evaluate stage's outputs here (comparison.csv/json, blocks.parquet, e2e.json, best.json, "
+                   "eval.json, plots/).")
+@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@one_line_errors
+def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budgets, e2e_prompts, max_new_tokens, tokens_per_batch,
+             seed, out_dir, device):
+    """Score drafters side by side on one target's captured val shards, without params.yaml.
+
+    Each DRAFTER is a training checkpoint folder (step_NNNNNN, from one run) or a folder in the
+    DFlash serving format (an export of ours or a published drafter), scored as a baseline. Every
+    drafter is checked against the target and the shards first. Prints the comparison table; the
+    best checkpoint (highest teacher-forced tau) is starred and decoded end to end with --prompts.
+
+    \b
+    Example:
+      dflash-pipeline evaluate data/checkpoints/step_000900 ~/drafters/zlab-qwen3-8b \\
+          --target data/target/target.json --shards data/hidden/val \\
+          --prompts data/generated/val.parquet --e2e-prompts 4 --out /tmp/eval-900
+    """
+    from dflash_pipeline.evaluate import run_evaluate, summary_table, write_outputs
+
+    kinds = {folder: folder_kind(folder) for folder in drafters}
+    for folder, kind in kinds.items():
+        if kind not in ("checkpoint", "drafter"):
+            raise PipelineError(f"{folder}: a shard folder, not a drafter (checkpoint.json or config.json); pass it as --shards")
+    checkpoints = list(dict.fromkeys(folder.resolve() for folder, kind in kinds.items() if kind == "checkpoint"))
+    baselines = list(dict.fromkeys(folder.resolve() for folder, kind in kinds.items() if kind == "drafter"))
+    config = replace(DEFAULTS, baselines=[str(b) for b in baselines], anchors_per_sequence=anchors,
+                     tokens_per_batch=tokens_per_batch, tree_budgets=tree_budgets, num_prompts=e2e_prompts,
+                     max_new_tokens=max_new_tokens, seed=seed)
+    config.validate("command line")
+    capture_output = not (shards_dir / "manifest.json").is_file() and (shards_dir / "val" / "manifest.json").is_file()
+    split = shards_dir / "val" if capture_output else shards_dir
+    result = run_evaluate(config, target=target_info(target_path), hidden_val_dir=split, generated_val=generated_val(prompts_path),
+                          checkpoint_folders=checkpoints, baseline_dirs=baselines, device=device or default_device(), log=click.echo)
+    if out_dir is not None:
+        write_outputs(result, out_dir=out_dir, metrics_path=out_dir / "eval.json", plots_dir=out_dir / "plots",
+                      tree_budgets=list(config.tree_budgets))
+        click.echo(f"evaluate: wrote {out_dir}")
+    click.echo(summary_table(result))
+
+
+# ----------------------------------------------------------------------------- verify-shards
+
+
+@main.command("verify-shards", short_help="Verify a shard split folder against its manifest.")
+@click.argument("folder", metavar="DIR", type=EXISTING_DIR)
+@one_line_errors
+def verify_shards(folder):
+    """Check a capture split folder: manifest, every shard's size, sha256, schema and row lengths.
+
+    DIR is a split folder (manifest.json + shard-NNNNN.arrow) or a capture output holding split
+    folders (each is checked). Prints one summary line per split; the first problem stops with one
+    line naming the file.
+
+    \b
+    Example:
+      dflash-pipeline verify-shards data/hidden/val
+    """
+    from dflash_pipeline.shards import verify_split
+
+    folders = split_folders(folder)
+    if not folders:
+        raise PipelineError(f"{folder}: no manifest.json here or in its subfolders (not a capture split folder)")
+    for split in folders:
+        manifest = verify_split(split)
+        click.echo(f"{split}: ok, {manifest.sequences} sequences, {manifest.tokens} tokens ({manifest.loss_tokens} answer) in "
+                   f"{len(manifest.shards)} shard(s) of {size(sum(s.bytes for s in manifest.shards))}; layers {manifest.layer_ids} "
+                   f"x {manifest.hidden_size} in {manifest.feature_dtype}; target {manifest.target_fingerprint[:12]}")
+
+
+# ----------------------------------------------------------------------------- show
+
+
+def drafter_lines(config) -> list[tuple[str, object]]:
+    mask_note = config.extra.get("mask_token")
+    return [
+        ("drafter layers", config.num_layers),
+        ("hidden size", config.hidden_size),
+        ("intermediate size", config.intermediate_size),
+        ("attention heads", f"{config.num_attention_heads} query, {config.num_key_value_heads} key/value, head_dim {config.head_dim}"),
+        ("vocab size", config.vocab_size),
+        ("block size", f"{config.block_size} (drafts {config.block_size - 1} tokens per forward)"),
+        ("mask token id", f"{config.mask_token_id}" + (f" ({mask_note})" if mask_note else "")),
+        ("target layer ids", list(config.target_layer_ids)),
+        ("target layers", config.num_target_layers),
+        ("feature width", f"{config.feature_width} ({len(config.target_layer_ids)} x {config.hidden_size})"),
+        ("rope theta", config.rope_theta),
+        ("sliding window", config.sliding_window),
+    ]
+
+
+def weights_line(files: list[Path]) -> str:
+    """Stored dtype(s), parameter count and size of safetensors files, from their headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    dtypes, parameters = set(), 0
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    part = handle.get_slice(name)
+                    dtypes.add(part.get_dtype())
+                    count = 1
+                    for dim in part.get_shape():
+                        count *= dim
+                    parameters += count
+        except SafetensorError as exc:
+            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    kinds = ", ".join(sorted(names.get(d, d) for d in dtypes)) or "no tensors"
+    return f"{kinds}, {parameters / 1e6:.2f} M parameters, {size(sum(f.stat().st_size for f in files))} in {len(files)} file(s)"
+
+
+def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
+    from dflash_pipeline.files import read_json
+    from dflash_pipeline.model import DrafterConfig
+
+    info = read_json(folder / "checkpoint.json", missing="unreadable")
+    if "drafter" not in info:
+        raise PipelineError(f"{folder / 'checkpoint.json'}: no drafter config (not a training checkpoint)")
+    metrics = info.get("metrics") or {}
+    lines = [("kind", "training checkpoint"), ("step", info.get("step")), ("target fingerprint", info.get("target_fingerprint"))]
+    lines += drafter_lines(DrafterConfig.from_dict(info["drafter"]))
+    lines += [("weights", weights_line([folder / "model.safetensors"])),
+              ("metrics", ", ".join(f"{k} {v}" for k, v in sorted(metrics.items())) or None),
+              ("git revision", info.get("git_revision"))]
+    return lines
+
+
+def drafter_contract(folder: Path) -> list[tuple[str, object]]:
+    from dflash_pipeline.export import PROVENANCE_FILE, drafter_config_from_serving
+    from dflash_pipeline.files import read_json
+
+    config_path = folder / "config.json"
+    config = drafter_config_from_serving(read_json(config_path, missing="unreadable"), where=config_path)
+    provenance = read_json(folder / PROVENANCE_FILE, missing="unreadable") if (folder / PROVENANCE_FILE).is_file() else None
+    source = (provenance or {}).get("source") or {}
+    if provenance is not None:
+        config = replace(config, extra=(provenance.get("drafter") or {}).get("extra") or {})
+    lines = [("kind", "DFlash drafter (serving format)"),
+             ("target fingerprint", source.get("target_fingerprint") or "unknown (not exported by this pipeline)")]
+    if source.get("checkpoint"):
+        lines.append(("exported from", f"{source['checkpoint']} (step {source.get('step')})"))
+    lines += drafter_lines(config)
+    lines.append(("weights", weights_line(sorted(folder.glob("*.safetensors")))))
+    return lines
+
+
+def split_contract(folder: Path) -> list[tuple[str, object]]:
+    from dflash_pipeline.shards import Manifest
+
+    manifest = Manifest.load(folder)
+    stats = ", ".join(f"{k} {v}" for k, v in sorted(manifest.stats.items()))
+    return [
+        ("kind", f"shard split {manifest.split!r} (not verified; dflash-pipeline verify-shards checks it)"),
+        ("target fingerprint", manifest.target_fingerprint),
+        ("target layer ids", manifest.layer_ids),
+        ("target layers", manifest.num_target_layers),
+        ("hidden size", manifest.hidden_size),
+        ("feature dtype", manifest.feature_dtype),
+        ("feature width", manifest.feature_width),
+        ("sequences", manifest.sequences),
+        ("tokens", f"{manifest.tokens} ({manifest.loss_tokens} answer tokens)"),
+        ("shards", f"{len(manifest.shards)} ({size(sum(s.bytes for s in manifest.shards))})"),
+        ("capture stats", stats or None),
+    ]
+
+
+@main.command(short_help="Print the contract of a checkpoint, drafter or shard folder.")
+@click.argument("folder", metavar="DIR", type=EXISTING_DIR)
+@one_line_errors
+def show(folder):
+    """Print the contract of a checkpoint, a DFlash drafter folder or a shard split folder.
+
+    The kind is detected from the folder's files: checkpoint.json (a training checkpoint),
+    config.json (the serving format, ours or published), manifest.json (a capture split; a capture
+    output shows each of its splits). Printed: target fingerprint, target layer ids, hidden size,
+    block size, mask token, dtype and counts. Reads metadata only, never the weights themselves.
+
+    \b
+    Examples:
+      dflash-pipeline show data/checkpoints/step_000900
+      dflash-pipeline show data/export/drafter
+      dflash-pipeline show data/hidden
+    """
+    kind = folder_kind(folder)
+    contracts = {"checkpoint": checkpoint_contract, "drafter": drafter_contract, "split": split_contract}
+    for number, one in enumerate(split_folders(folder) if kind == "splits" else [folder]):
+        lines = contracts["split" if kind == "splits" else kind](one)
+        if number:
+            click.echo()
+        click.echo(f"{one}")
+        for key, value in lines:
+            click.echo(f"  {key + ':':<20}{value}")
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@main.command(short_help="Export a checkpoint to the DFlash serving format.")
+@click.argument("checkpoint", type=EXISTING_DIR)
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weights dtype: float32 is the checkpoint bit for bit; bfloat16 halves the files, as published drafters ship.")
+@one_line_errors
+def export(checkpoint, out, dtype):
+    """Export a training checkpoint to the DFlash serving format (config.json + model.safetensors).
+
+    OUT is replaced only if it is absent, empty or an earlier drafter export. The written folder is
+    loaded back before the command reports success. It loads in z-lab's DFlashDraftModel, SGLang
+    (--speculative-algorithm DFLASH) and vLLM (method: dflash).
+
+    \b
+    Example:
+      dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
+    """
+    import torch
+
+    from dflash_pipeline.export import export_checkpoint, load_dflash_drafter
+
+    folder = export_checkpoint(checkpoint, out, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    drafter, _ = load_dflash_drafter(folder)
+    config = drafter.config
+    click.echo(f"export: {checkpoint} -> {folder} ({dtype}; drafter layers {config.num_layers}, block size {config.block_size}, "
+               f"target layer ids {list(config.target_layer_ids)})")
+
+
+if __name__ == "__main__":
+    main()

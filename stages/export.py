@@ -1,0 +1,41 @@
+"""DVC stage `export`: the drafter chosen by `evaluate`, in the public DFlash serving format.
+
+    python stages/export.py --params params.yaml --best data/eval/best.json --out data/export/drafter
+
+The folder loads unchanged in z-lab/dflash (`DFlashDraftModel.from_pretrained`), SGLang
+(`--speculative-algorithm DFLASH --speculative-draft-model-path data/export/drafter`) and vLLM.
+"""
+
+from pathlib import Path
+
+import click
+
+from dflash_pipeline.runtime import one_line_errors
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
+@click.option("--best", "best_json", type=click.Path(path_type=Path), default="data/eval/best.json", show_default=True,
+              help="The evaluate stage's choice (highest teacher-forced tau).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/export/drafter", show_default=True)
+@one_line_errors
+def main(params_path, best_json, out_dir):
+    """Export the chosen checkpoint to OUT (config.json + model.safetensors)."""
+    import torch
+
+    from dflash_pipeline.config import load_params
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.export import export_checkpoint
+    from dflash_pipeline.files import read_json
+
+    config = load_params(params_path).export
+    best = read_json(best_json, missing="no evaluation choice; run the `evaluate` stage first (dvc repro evaluate)")
+    if best.get("kind") != "checkpoint":
+        raise PipelineError(f"{best_json}: the chosen drafter is a {best.get('kind')!r}, not a checkpoint of this run; nothing to export")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    folder = export_checkpoint(Path(best["path"]), out_dir, dtype=dtype)
+    click.echo(f"export: {best['name']} (teacher-forced tau {best['tau']} +- {best['tau_ci95']}) -> {folder} ({config.dtype})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The `dflash-pipeline` console command: every subcommand on a tiny captured and trained run, the
+installed entry point, and bad input as one line `error: ...` with exit status 1."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import stage_env
+from dflash_pipeline.cli import main
+from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
+from dflash_pipeline.export import PROVENANCE_FILE, export_checkpoint, load_dflash_drafter
+from dflash_pipeline.target import TargetInfo, prepare_target
+from dflash_pipeline.train import load_checkpoint
+
+CYCLE = [101, 202, 303, 404, 505]  # every answer repeats it, so a few training steps already draft some tokens right
+SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export"]
+
+
+def write_cycle_generated(folder: Path, rows_per_split: dict[str, int], seed: int = 0) -> Path:
+    """A generate-stage output whose answers cycle through CYCLE (prompts are random ids)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflash_pipeline.generate import GENERATED_SCHEMA
+
+    generator = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in rows_per_split.items():
+        rows = []
+        for index in range(count):
+            prompt = torch.randint(3, 49152, (int(torch.randint(6, 16, (1,), generator=generator)),), generator=generator).tolist()
+            start = int(torch.randint(0, len(CYCLE), (1,), generator=generator))
+            length = int(torch.randint(16, 40, (1,), generator=generator))
+            rows.append({"prompt_id": f"{split}{index:04d}", "category": ("code", "math")[index % 2], "split": split,
+                         "messages": [{"role": "user", "content": "x"}], "prompt_ids": prompt,
+                         "answer_ids": [CYCLE[(start + k) % len(CYCLE)] for k in range(length)], "finish_reason": "length"})
+        pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), folder / f"{split}.parquet")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, tmp_path_factory):
+    """Target fingerprint, generated val prompts, captured shards and one checkpoint (step 4) on the
+    tiny Llama, plus a float32 export of that checkpoint."""
+    from dflash_pipeline.capture import run_capture
+    from dflash_pipeline.train import run_train
+
+    root = tmp_path_factory.mktemp("cli")
+    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=root / "target")
+    target = TargetInfo.from_json(root / "target" / "target.json")
+    generated = write_cycle_generated(root / "generated", {"train": 12, "val": 3})
+    run_capture(CaptureConfig(layer_ids=[1, 3]), target=target, generated_dir=generated, out_dir=root / "hidden", device="cpu")
+    train = TrainConfig(num_layers=1, block_size=4, max_steps=4, tokens_per_step=400, anchors_per_sequence=8, eval_every=4,
+                        save_every=4, eval_blocks=16, logits_chunk=64, lr=2e-2)
+    run_train(train, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val", out_dir=root / "checkpoints",
+              device="cpu", log=lambda *_: None)
+    checkpoint = root / "checkpoints" / "step_000004"
+    export = export_checkpoint(checkpoint, root / "export")
+    return SimpleNamespace(root=root, target_json=root / "target" / "target.json", model_dir=tiny_llama_dir, generated=generated,
+                           hidden=root / "hidden", val=root / "hidden" / "val", checkpoint=checkpoint, export=export)
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_one_line_error(result, *fragments: str) -> str:
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert result.stdout == "", result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def comparable(row: dict) -> dict:
+    """The teacher-forced numbers of one comparison row (not its name, kind, path or timing)."""
+    skip = {"name", "kind", "path", "step", "seconds"}
+    return {key: value for key, value in row.items() if key not in skip}
+
+
+# ----------------------------------------------------------------------------- help and the entry point
+
+
+@pytest.mark.parametrize("command", [[]] + [[name] for name in SUBCOMMANDS])
+def test_every_subcommand_explains_itself_with_an_example(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"Usage: {' '.join(['main'] + command)}")
+    if command:
+        assert "Example" in result.output and f"dflash-pipeline {command[0]} " in result.output
+    else:
+        assert all(name in result.output for name in SUBCOMMANDS)
+
+
+def test_installed_console_script_runs_and_fails_in_one_line(tiny, tmp_path):
+    script = Path(sys.executable).parent / "dflash-pipeline"
+    assert script.is_file(), "console script missing: pip install --no-deps -e . (pyproject.toml [project.scripts])"
+    helped = subprocess.run([script, "--help"], env=stage_env(), capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and all(name in helped.stdout for name in SUBCOMMANDS), helped.stderr
+    verified = subprocess.run([script, "verify-shards", tiny.val], env=stage_env(), capture_output=True, text=True, timeout=60)
+    assert verified.returncode == 0 and "ok, 3 sequences" in verified.stdout, verified.stderr
+    missing = subprocess.run([script, "show", tmp_path / "nope"], env=stage_env(), capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("error: ") and "nope" in missing.stderr
+
+
+# ----------------------------------------------------------------------------- verify-shards
+
+
+def test_verify_shards_passes_a_good_split_and_names_the_corrupt_shard(tiny, tmp_path):
+    good = invoke("verify-shards", tiny.val)
+    assert good.exit_code == 0, good.output
+    assert "ok, 3 sequences" in good.stdout and "layers [1, 3] x 64 in bf16" in good.stdout
+    both = invoke("verify-shards", tiny.hidden)  # a capture output: each split
+    assert both.exit_code == 0 and both.stdout.count(": ok, ") == 2, both.output
+
+    split = shutil.copytree(tiny.val, tmp_path / "val")
+    shard = split / "shard-00000.arrow"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    shard.write_bytes(bytes(data))
+    assert_one_line_error(invoke("verify-shards", split), str(shard), "sha256")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(invoke("verify-shards", tmp_path / "empty"), "no manifest.json")
+
+
+# ----------------------------------------------------------------------------- show
+
+
+def contract(result) -> dict[str, str]:
+    assert result.exit_code == 0, result.output
+    pairs = (line.partition(":") for line in result.stdout.splitlines()[1:] if line.startswith("  "))
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def test_show_detects_each_kind_of_folder(tiny, tmp_path):
+    fingerprint = TargetInfo.from_json(tiny.target_json).fingerprint
+    checkpoint = contract(invoke("show", tiny.checkpoint))
+    assert checkpoint["kind"] == "training checkpoint" and checkpoint["step"] == "4"
+    assert checkpoint["target fingerprint"] == fingerprint and checkpoint["target layer ids"] == "[1, 3]"
+    assert checkpoint["hidden size"] == "64" and checkpoint["block size"].startswith("4 ") and checkpoint["weights"].startswith("float32")
+    assert checkpoint["mask token id"].startswith(str(load_checkpoint(tiny.checkpoint)[0].config.mask_token_id))
+
+    exported = contract(invoke("show", tiny.export))
+    assert exported["kind"].startswith("DFlash drafter") and exported["target fingerprint"] == fingerprint
+    assert str(tiny.checkpoint) in exported["exported from"]
+    for key in ("target layer ids", "hidden size", "block size", "mask token id", "vocab size", "drafter layers"):
+        assert exported[key] == checkpoint[key], key
+
+    split = contract(invoke("show", tiny.val))
+    assert split["kind"].startswith("shard split 'val'") and split["target fingerprint"] == fingerprint
+    assert split["target layer ids"] == "[1, 3]" and split["sequences"] == "3" and split["feature dtype"] == "bf16"
+    both = invoke("show", tiny.hidden)
+    assert both.exit_code == 0 and "shard split 'train'" in both.stdout and "shard split 'val'" in both.stdout
+
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(invoke("show", tmp_path / "empty"), "not a checkpoint folder")
+    assert_one_line_error(invoke("show", tiny.root / "checkpoints"), "name one of its step_NNNNNN folders")
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def test_export_writes_a_folder_that_loads_back(tiny, tmp_path):
+    result = invoke("export", tiny.checkpoint, tmp_path / "drafter", "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.output
+    assert "bfloat16" in result.stdout
+    drafter, info = load_dflash_drafter(tmp_path / "drafter")
+    original, _ = load_checkpoint(tiny.checkpoint)
+    assert info["stored_dtype"] == "bfloat16" and info["provenance"]["source"]["step"] == 4
+    assert drafter.config == original.config
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(drafter.state_dict()[name], tensor.to(torch.bfloat16).float()), name
+
+    assert_one_line_error(invoke("export", tiny.export, tmp_path / "again"), "no checkpoint.json")
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    assert_one_line_error(invoke("export", tiny.checkpoint, tmp_path / "precious"), "refusing to replace it")
+    assert (tmp_path / "precious" / "notes.txt").read_text() == "keep me"
+    assert_one_line_error(invoke("export", tiny.checkpoint, tmp_path / "x", "--dtype", "int8"), "--dtype")
+
+
+# ----------------------------------------------------------------------------- evaluate
+
+
+def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(tiny, tmp_path):
+    out = tmp_path / "eval"
+    result = invoke("evaluate", tiny.checkpoint, tiny.export, "--target", tiny.target_json, "--shards", tiny.val, "--anchors", 0,
+                    "--tree-budgets", "2,8", "--out", out, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    table = result.stdout.splitlines()
+    assert any(line.split()[:3] == ["step_000004", "*", "checkpoint"] for line in table), result.stdout
+    assert any(line.split()[:2] == ["export", "baseline"] for line in table), result.stdout
+
+    rows = {row["kind"]: row for row in json.loads((out / "comparison.json").read_text())}
+    ours, baseline = rows["checkpoint"], rows["baseline"]
+    assert comparable(ours) == comparable(baseline)
+    manifest = json.loads((tiny.val / "manifest.json").read_text())
+    assert ours["blocks"] == manifest["loss_tokens"] - manifest["sequences"]  # --anchors 0: every answer position but the last
+    assert "ddtree8_streak" in ours and "e2e_tau" not in ours  # no --prompts: no end-to-end decoding
+    blocks = pd.read_parquet(out / "blocks.parquet")
+    by_drafter = {name: frame.drop(columns="drafter").reset_index(drop=True) for name, frame in blocks.groupby("drafter")}
+    pd.testing.assert_frame_equal(by_drafter["step_000004"], by_drafter["export"])
+    assert (by_drafter["export"]["tau"] > 1).any()  # the comparison is not between two all-miss drafters
+    best = json.loads((out / "best.json").read_text())
+    assert best["name"] == "step_000004" and (out / "eval.json").is_file() and (out / "plots" / "eval_tau.png").is_file()
+
+
+def test_evaluate_with_a_model_folder_target_and_val_prompts_decodes_losslessly(tiny):
+    result = invoke("evaluate", tiny.checkpoint, "--target", tiny.model_dir, "--shards", tiny.hidden, "--prompts", tiny.generated,
+                    "--anchors", 4, "--e2e-prompts", 1, "--max-new-tokens", 4, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    header, row = result.stdout.splitlines()[-2:]
+    values = dict(zip(header.split(), row.replace(" *", "").split()))
+    assert values["name"] == "step_000004" and float(values["lossless_rate"]) == 1.0 and float(values["e2e_tau"]) >= 1.0
+    assert "NOT LOSSLESS" not in result.stdout
+
+
+def test_evaluate_bad_input_is_one_line(tiny, tiny_qwen3_dir, tmp_path):
+    common = ["--shards", tiny.val, "--device", "cpu"]
+    assert_one_line_error(invoke("evaluate", tmp_path / "nope", "--target", tiny.target_json, *common), "does not exist")
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tmp_path, *common), "neither a target.json")
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny.val / "manifest.json", *common), "not a target.json")
+    # Another target (fingerprinted from its folder) than the one the shards were captured from.
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny_qwen3_dir, *common), "manifest.json", "captured from target")
+    # A drafter wired to other target layers than the shards hold.
+    other = shutil.copytree(tiny.export, tmp_path / "other-layers")
+    config = json.loads((other / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 2]
+    (other / "config.json").write_text(json.dumps(config))
+    (other / PROVENANCE_FILE).unlink()
+    assert_one_line_error(invoke("evaluate", other, "--target", tiny.target_json, *common), "target_layer_ids is [0, 2]", "[1, 3]")
+    assert_one_line_error(invoke("evaluate", tiny.val, "--target", tiny.target_json, *common), "pass it as --shards")
+    not_parquet = tiny.val / "manifest.json"
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny.target_json, "--prompts", not_parquet, *common),
+                          "manifest.json", "Parquet")
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny.target_json, "--anchors", -1, *common), "--anchors")
+
+
+def test_evaluate_takes_checkpoints_from_any_folders(tiny, tmp_path):
+    renamed = shutil.copytree(tiny.checkpoint, tmp_path / "other-run" / "best")
+    result = invoke("evaluate", tiny.checkpoint, renamed, "--target", tiny.target_json, "--shards", tiny.val, "--anchors", 3,
+                    "--e2e-prompts", 0, "--out", tmp_path / "eval", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "eval" / "comparison.json").read_text())
+    assert [row["kind"] for row in rows] == ["checkpoint", "checkpoint"] and rows[0]["name"] != rows[1]["name"]
+    assert comparable(rows[0]) == comparable(rows[1])

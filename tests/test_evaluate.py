@@ -1,0 +1,237 @@
+"""Stage `evaluate`: metric definitions by hand, batched == one-block-at-a-time, lossless decoding."""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.evaluate import (
+    BlockScores,
+    DecodeRun,
+    EndToEndPrompt,
+    acceptance_length,
+    check_drafter_contract,
+    ddtree_streak,
+    drafter_proposer,
+    greedy_decode,
+    per_slot_acceptance,
+    score_one_block_at_a_time,
+    score_teacher_forced,
+    select_checkpoints,
+    speculative_decode,
+    summarize_blocks,
+    summarize_end_to_end,
+)
+from dflash_pipeline.model import DFlashDrafter, DrafterConfig, TargetHead
+from dflash_pipeline.shards import Sample
+
+LOG = math.log
+
+
+# ----------------------------------------------------------------------------- definitions
+
+
+def test_tau_is_one_plus_the_leading_run_of_correct_slots():
+    correct = np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=bool)
+    assert acceptance_length(correct).tolist() == [3, 1, 5, 1]
+
+
+def test_ddtree_streaks_by_hand_including_a_path_off_the_top1_chain():
+    # depth 1: a=0.6, b=0.4; depth 2: c=0.9, d=0.1. Best-first pops: a (.6), a-c (.54), b (.4),
+    # b-c (.36), a-d (.06), b-d (.04).
+    logprobs = [[LOG(0.6), LOG(0.4)], [LOG(0.9), LOG(0.1)]]
+    ids = [[10, 11], [20, 21]]
+    a, b, c, d = 10, 11, 20, 21
+    assert [ddtree_streak(logprobs, ids, [a, c], k) for k in (1, 2, 3, 6)] == [1, 2, 2, 2]
+    # The reference goes through b, the second-best first token: only a tree holding b-c finds it.
+    assert [ddtree_streak(logprobs, ids, [b, c], k) for k in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert [ddtree_streak(logprobs, ids, [a, d], k) for k in (4, 5)] == [1, 2]
+    assert ddtree_streak(logprobs, ids, [b, d], 6) == 2
+    assert ddtree_streak(logprobs, ids, [a], 6) == 1  # the reference ends after one token
+    assert ddtree_streak(logprobs, ids, [99, c], 6) == 0
+    assert ddtree_streak(logprobs, ids, [a, c], 0) == 0
+
+
+def test_ddtree_streak_grows_with_budget_and_a_full_tree_finds_any_top_k_path():
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        values = torch.log_softmax(torch.randn(3, 3, generator=generator), dim=-1).sort(dim=-1, descending=True)
+        logprobs, ids = values.values.tolist(), values.indices.tolist()
+        reference = [row[int(torch.randint(0, 3, (1,), generator=generator))] for row in ids]
+        streaks = [ddtree_streak(logprobs, ids, reference, budget) for budget in range(1, 40)]
+        assert streaks == sorted(streaks)
+        assert streaks[-1] == 3  # 3 + 9 + 27 = 39 nodes: the whole tree
+
+
+def test_per_slot_acceptance_conditional_and_unconditional():
+    correct = np.array([[1, 0, 1], [1, 1, 0], [0, 1, 1], [1, 1, 1]], dtype=bool)
+    valid = np.ones_like(correct)
+    valid[3, 2] = False  # past the answer's end: not counted at slot 3
+    correct[3, 2] = False
+    scores = BlockScores(sequence=np.array([0, 0, 1, 1]), anchor=np.zeros(4, int), correct=correct, valid=valid)
+    unconditional, conditional = per_slot_acceptance(scores)
+    assert unconditional == pytest.approx([3 / 4, 3 / 4, 2 / 3])
+    # slot 2 is reached by blocks 0, 1, 3 (slot 1 right): 2 of them right; slot 3 by blocks 1, 3 -> only 1 has it.
+    assert conditional == pytest.approx([3 / 4, 2 / 3, 0 / 1])
+
+
+def test_means_and_confidence_intervals_are_over_prompts_and_categories():
+    # prompt 0: taus 3, 1 (mean 2); prompt 1: tau 1; prompt 2: taus 4, 4, 4 (mean 4).
+    correct = np.array([[1, 1, 0], [0, 0, 0], [0, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 1]], dtype=bool)
+    scores = BlockScores(sequence=np.array([0, 0, 1, 2, 2, 2]), anchor=np.zeros(6, int), correct=correct,
+                         valid=np.ones_like(correct), streaks={8: np.array([2, 0, 0, 3, 3, 1])})
+    summary = summarize_blocks(scores, categories=["code", "math", "code"])
+    per_prompt = [2.0, 1.0, 4.0]
+    mean = sum(per_prompt) / 3
+    sd = math.sqrt(sum((t - mean) ** 2 for t in per_prompt) / 2)
+    assert summary["tau"] == pytest.approx(round(mean, 4)) and summary["tau_ci95"] == pytest.approx(round(1.96 * sd / math.sqrt(3), 4))
+    assert summary["tau_per_block"] == pytest.approx(round((3 + 1 + 1 + 4 + 4 + 4) / 6, 4))
+    assert summary["tau_code"] == pytest.approx(3.0) and summary["tau_math"] == pytest.approx(1.0)
+    assert summary["ddtree8_streak"] == pytest.approx(round((1.0 + 0.0 + 7 / 3) / 3, 4))
+    assert summary["blocks"] == 6 and summary["prompts"] == 3
+
+
+# ----------------------------------------------------------------------------- batched scoring
+
+
+class InMemorySplit:
+    """A stand-in for a shard folder: the scorer only needs len, [i] and lengths()."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+    def lengths(self):
+        return [s.input_ids.shape[0] for s in self.samples]
+
+
+def small_vocab_setup(seed=0, vocab=3, block_size=4):
+    """A drafter over a 3-token vocabulary (labels use two): random guesses hit often enough that
+    correct slots, taus and tree streaks all take many values."""
+    torch.manual_seed(seed)
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, vocab_size=vocab, block_size=block_size, target_layer_ids=(1, 2), num_target_layers=4,
+                           mask_token_id=vocab - 1)
+    drafter = DFlashDrafter(config).eval()
+    head = TargetHead(torch.randn(vocab, 32), torch.randn(vocab, 32))
+    generator = torch.Generator().manual_seed(seed + 1)
+    samples = []
+    for index in range(7):
+        length = int(torch.randint(12, 40, (1,), generator=generator))
+        prompt = int(torch.randint(3, 8, (1,), generator=generator))
+        mask = torch.zeros(length, dtype=torch.uint8)
+        mask[prompt:] = 1
+        samples.append(Sample(sequence_id=f"s{index}", input_ids=torch.randint(0, vocab - 1, (length,), generator=generator, dtype=torch.int32),
+                              loss_mask=mask, target_next=torch.zeros(length, dtype=torch.int32),
+                              features=torch.randn(length, 64, generator=generator).to(torch.bfloat16)))
+    return drafter, head, InMemorySplit(samples)
+
+
+@pytest.mark.parametrize("anchors", [0, 5])
+def test_batched_scores_equal_one_block_at_a_time(anchors):
+    drafter, head, split = small_vocab_setup()
+    batched = score_teacher_forced(drafter, head, split, anchors_per_sequence=anchors, tokens_per_batch=70, tree_budgets=[1, 3, 8])
+    plain = score_one_block_at_a_time(drafter, head, split, anchors_per_sequence=anchors, tree_budgets=[1, 3, 8])
+    for name in ("sequence", "anchor", "correct", "valid"):
+        assert np.array_equal(getattr(batched, name), getattr(plain, name)), name
+    for budget in (1, 3, 8):
+        assert np.array_equal(batched.streaks[budget], plain.streaks[budget])
+    assert len(set(batched.tau.tolist())) >= 3 and batched.streaks[8].max() >= 2  # the data exercises the metrics
+    assert np.array_equal(batched.streaks[1], np.minimum(batched.tau - 1, 1))  # one node: the top-1 first token
+    if anchors == 0:  # every anchor: all positions a with an answer token at a and a + 1
+        expected = sum(int(s.loss_mask.sum()) - 1 for s in split.samples)
+        assert batched.tau.shape[0] == expected
+
+
+def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
+    drafter, _, _ = small_vocab_setup()
+
+    class Target:
+        hidden_size, vocab_size, num_layers = 32, 3, 4
+
+    check_drafter_contract(drafter.config, target=Target, layer_ids=[1, 2], source="x/config.json")
+    with pytest.raises(PipelineError, match=r"^x/config.json: drafter target_layer_ids is \[1, 2\], but the shards has \[1, 3\]$"):
+        check_drafter_contract(drafter.config, target=Target, layer_ids=[1, 3], source="x/config.json")
+    with pytest.raises(PipelineError, match="drafter hidden_size is 32, but the target has 64"):
+        check_drafter_contract(drafter.config, target=type("T", (), {"hidden_size": 64, "vocab_size": 3, "num_layers": 4}),
+                               layer_ids=None, source="x")
+    with pytest.raises(PipelineError, match="mask_token_id 9 is outside"):
+        check_drafter_contract(replace(drafter.config, mask_token_id=9), target=Target, layer_ids=None, source="x")
+    folders = [tmp_path / f"step_{s:06d}" for s in (100, 200, 300)]
+    assert select_checkpoints(folders, "final") == folders[-1:]
+    assert select_checkpoints(folders, [100, 300]) == [folders[0], folders[2]]
+    with pytest.raises(PipelineError, match="evaluate.checkpoints asks for step 250"):
+        select_checkpoints(folders, [250])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.capture import LayerTap
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tap = LayerTap(model, [1, 3])
+    head = TargetHead(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, vocab_size=49152, block_size=5,
+                                          target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
+    prompt = [1, 504, 3112, 314, 253, 1345, 30, 2]
+    return model, tap, head, drafter, prompt
+
+
+def test_untrained_drafter_decodes_losslessly_with_tau_near_one(tiny_target):
+    model, tap, head, drafter, prompt = tiny_target
+    plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
+    spec = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head), prompt, max_new_tokens=30, eos_ids={2})
+    assert len(plain.tokens) == 30 and spec.tokens == plain.tokens
+    assert 1.0 <= np.mean(spec.steps) < 1.5 and sum(spec.steps) == 29  # the first token comes from the prefill
+
+
+def oracle(reference: list[int], wrong_from: int | None = None, block_size: int = 5):
+    """A rigged drafter that knows the plain greedy answer and proposes its next B-1 tokens
+    (optionally wrong from one slot on)."""
+    def propose(cache, anchor):
+        produced = cache.length - oracle.prompt_length  # answer tokens committed before the anchor
+        proposal = reference[produced + 1 : produced + block_size]
+        proposal += [0] * (block_size - 1 - len(proposal))
+        if wrong_from is not None:
+            proposal[wrong_from:] = [7] * (block_size - 1 - wrong_from)
+        return proposal
+
+    return propose
+
+
+def test_a_perfect_drafter_is_accepted_whole_and_a_wrong_slot_stops_acceptance(tiny_target):
+    model, tap, head, drafter, prompt = tiny_target
+    plain = greedy_decode(model, prompt, max_new_tokens=41, eos_ids={2})
+    oracle.prompt_length = len(prompt)
+    perfect = speculative_decode(model, tap, drafter, oracle(plain.tokens), prompt, max_new_tokens=41, eos_ids={2})
+    assert perfect.tokens == plain.tokens
+    assert perfect.steps == [5] * 8  # 1 + 8 steps x 5 tokens = 41: every block accepted whole plus the bonus
+    two_right = speculative_decode(model, tap, drafter, oracle(plain.tokens, wrong_from=2), prompt, max_new_tokens=41, eos_ids={2})
+    assert two_right.tokens == plain.tokens and set(two_right.steps[:-1]) == {3}
+
+
+def test_end_to_end_summary_reports_mismatch_position_and_break_even():
+    plain = DecodeRun(tokens=[5, 6, 7, 8, 9], seconds=1.0, prefill_seconds=0.2)  # 4 decode steps of 0.2 s
+    same = DecodeRun(tokens=[5, 6, 7, 8, 9], seconds=0.6, prefill_seconds=0.2, steps=[3, 2], verify_seconds=0.3, draft_seconds=0.1)
+    differs = DecodeRun(tokens=[5, 6, 1, 8, 9], seconds=0.6, prefill_seconds=0.2, steps=[2, 3], verify_seconds=0.3, draft_seconds=0.1)
+    results = [EndToEndPrompt("p-ok", plain, {"d": same}), EndToEndPrompt("p-bad", plain, {"d": differs})]
+    summary = summarize_end_to_end(results, "d")
+    assert summary["lossless_rate"] == 0.5 and summary["mismatches"] == ["p-bad at answer token 2"]
+    assert summary["e2e_tau"] == pytest.approx(2.5) and summary["speedup"] == pytest.approx(1.0 / 0.6, rel=1e-3)
+    # a speculative step costs (0.3 + 0.1) / 2 = 0.2 s, a plain decode step 0.2 s: break-even at tau 1
+    assert summary["break_even_tau"] == pytest.approx(1.0) and summary["verify_cost_steps"] == pytest.approx(0.75)

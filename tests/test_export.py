@@ -1,0 +1,347 @@
+"""The serving format: export -> load round trips, config.json fields, loader errors, published-style
+folders, and (with DFLASH_ZLAB_PATH pointing at a z-lab/dflash checkout) z-lab's own DFlashDraftModel
+loading our export and drafting the same logits as our inference and training paths."""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.export import PROVENANCE_FILE, export_checkpoint, export_drafter, load_dflash_drafter
+from dflash_pipeline.model import DFlashDrafter, DraftCache, DrafterConfig, TargetHead, dflash_mask, draft_block
+
+LAYER_WEIGHTS = [
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+    "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+]
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    # head_dim * heads (64) != hidden (32), so a reader that derives head_dim from hidden_size shows up.
+    values = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, vocab_size=97, block_size=4, target_layer_ids=(0, 2, 3), num_target_layers=4,
+                  mask_token_id=96, rope_theta=10000.0, extra={"mask_token": "last row"})
+    values.update(overrides)
+    return DrafterConfig(**values)
+
+
+def smollm2_config() -> DrafterConfig:
+    """SmolLM2-135M's sizes (the default target: 30 layers), taps as the default pipeline makes them."""
+    return DrafterConfig(hidden_size=576, intermediate_size=1536, num_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, vocab_size=49152, block_size=8, target_layer_ids=(1, 8, 14, 20, 27), num_target_layers=30,
+                         mask_token_id=0, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192)
+
+
+def random_drafter(config: DrafterConfig, seed: int = 0) -> DFlashDrafter:
+    """Unit-variance projections and uneven norms: attention is peaked and every norm weight matters,
+    so a misplaced norm, a shifted position or a wrong RoPE changes the logits visibly."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config).eval()
+    with torch.no_grad():
+        for name, weight in drafter.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                weight.uniform_(1.0, 3.0)
+            elif weight.dim() == 1:
+                weight.uniform_(0.5, 1.5)
+            else:
+                weight.normal_(0.0, weight.shape[1] ** -0.5)
+    return drafter
+
+
+def random_head(config: DrafterConfig, seed: int = 1) -> TargetHead:
+    generator = torch.Generator().manual_seed(seed)
+    embed = torch.randn(config.vocab_size, config.hidden_size, generator=generator)
+    return TargetHead(embed, torch.randn(config.vocab_size, config.hidden_size, generator=generator) * 0.05)
+
+
+def draft_logits(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor, anchor_token: int) -> torch.Tensor:
+    cache = DraftCache(drafter)
+    cache.extend(features)
+    return draft_block(drafter, head, cache, anchor_token)
+
+
+def assert_one_line_error(excinfo, *fragments: str) -> None:
+    message = str(excinfo.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+# ----------------------------------------------------------------------------- export and load
+
+
+def test_round_trip_gives_identical_state_and_logits(tmp_path):
+    drafter = random_drafter(tiny_config())
+    out = export_drafter(drafter, tmp_path / "drafter", source={"step": 7})
+    export_drafter(drafter, out, source={"step": 7})  # re-exporting replaces the folder and leaves nothing beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+    loaded, info = load_dflash_drafter(out)
+    assert loaded.config == drafter.config  # including the `extra` notes, restored from provenance
+    assert loaded.state_dict().keys() == drafter.state_dict().keys()
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    head = random_head(drafter.config)
+    features = torch.randn(9, drafter.config.feature_width)
+    assert torch.equal(draft_logits(loaded.eval(), head, features, 5), draft_logits(drafter, head, features, 5))
+    assert info["provenance"]["source"] == {"step": 7}
+    assert info["stored_dtype"] == "float32"
+
+
+def test_config_json_has_the_serving_fields(tmp_path):
+    config = smollm2_config()
+    out = export_drafter(random_drafter(config), tmp_path / "drafter")
+    written = json.loads((out / "config.json").read_text())
+    expected = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 8, "num_target_layers": 30,
+        "dflash_config": {"mask_token_id": 0, "target_layer_ids": [1, 8, 14, 20, 27], "block_size": 8},
+        "num_hidden_layers": 2, "layer_types": ["full_attention", "full_attention"],
+        "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152, "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 8192,
+        "rope_theta": 100000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "rope_scaling": None,
+        "use_sliding_window": False, "sliding_window": None, "attention_bias": False, "tie_word_embeddings": False,
+        "dtype": "float32", "torch_dtype": "float32",
+    }
+    assert {key: written.get(key) for key in expected} == expected
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}" for i in range(2) for n in LAYER_WEIGHTS}
+    with safe_open(out / "model.safetensors", framework="pt") as handle:
+        assert set(handle.keys()) == names  # the drafter's own weights only: no embed_tokens, no lm_head
+        assert list(handle.get_slice("fc.weight").get_shape()) == [576, 5 * 576]
+    provenance = json.loads((out / PROVENANCE_FILE).read_text())
+    assert DrafterConfig.from_dict(provenance["drafter"]) == config
+
+
+def test_bf16_export_stores_bf16(tmp_path):
+    drafter = random_drafter(tiny_config())
+    out = export_drafter(drafter, tmp_path / "drafter", dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    loaded, info = load_dflash_drafter(out)
+    assert info["stored_dtype"] == "bfloat16"
+    for name, tensor in loaded.state_dict().items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, drafter.state_dict()[name].to(torch.bfloat16).float()), name
+
+
+def test_export_checkpoint_records_where_it_came_from(tmp_path):
+    from dflash_pipeline.train import save_checkpoint
+
+    drafter = random_drafter(tiny_config())
+    step_dir = save_checkpoint(tmp_path / "checkpoints", step=12, drafter=drafter,
+                               record={"target_fingerprint": "abc123"}, metrics={})
+    out = export_checkpoint(step_dir, tmp_path / "drafter")
+    loaded, info = load_dflash_drafter(out)
+    assert info["provenance"]["source"]["step"] == 12
+    assert info["provenance"]["source"]["target_fingerprint"] == "abc123"
+    assert torch.equal(loaded.fc.weight, drafter.fc.weight)
+
+
+def test_export_refuses_a_window_the_format_cannot_express(tmp_path):
+    with pytest.raises(PipelineError) as excinfo:
+        export_drafter(random_drafter(tiny_config(sliding_window=8)), tmp_path / "drafter")
+    assert_one_line_error(excinfo, "sliding_window=8")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_never_replaces_a_folder_it_did_not_write(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(PipelineError) as excinfo:
+        export_drafter(random_drafter(tiny_config()), tmp_path / "model")
+    assert_one_line_error(excinfo, "model", "not a DFlash drafter folder")
+    assert json.loads((tmp_path / "model" / "config.json").read_text()) == {"architectures": ["LlamaForCausalLM"]}
+
+
+# ----------------------------------------------------------------------------- published folders
+
+
+def published_style_config(config: DrafterConfig, *, transformers_5: bool) -> dict:
+    """config.json as z-lab releases spell it, without our additions. The 4.x style (Qwen3-8B-DFlash-b16
+    era) has auto_map, rope_theta and top-level block_size; the 5.x style (Qwen3.5 era) rope_parameters
+    and block_size inside dflash_config. Neither lists target_layer_ids here, so the default taps apply."""
+    data = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "dflash_config": {"mask_token_id": config.mask_token_id},
+        "dtype": "bfloat16", "head_dim": config.head_dim, "hidden_act": "silu", "hidden_size": config.hidden_size,
+        "initializer_range": 0.02, "intermediate_size": config.intermediate_size, "max_position_embeddings": 40960,
+        "num_attention_heads": config.num_attention_heads, "num_hidden_layers": config.num_layers,
+        "num_key_value_heads": config.num_key_value_heads, "num_target_layers": config.num_target_layers,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_cache": True, "vocab_size": config.vocab_size,
+    }
+    if transformers_5:
+        data["dflash_config"]["block_size"] = config.block_size
+        data.update(rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}, use_sliding_window=False,
+                    sliding_window=4096, layer_types=["full_attention"] * config.num_layers, transformers_version="5.3.0")
+    else:
+        data.update(block_size=config.block_size, auto_map={"AutoModel": "dflash.DFlashDraftModel"}, rope_theta=config.rope_theta,
+                    rope_scaling=None, sliding_window=None, use_sliding_window=False, max_window_layers=config.num_layers,
+                    transformers_version="4.57.3")
+    return data
+
+
+@pytest.mark.parametrize("transformers_5", [False, True], ids=["4.x-style", "5.x-style"])
+def test_a_published_style_folder_without_provenance_loads(tmp_path, transformers_5):
+    # 2 drafter layers over an 8-layer target: z-lab's default taps are [1, 5].
+    config = tiny_config(target_layer_ids=(1, 5), num_target_layers=8, rope_theta=1e6, rms_norm_eps=1e-6,
+                         max_position_embeddings=40960, extra={})
+    drafter = random_drafter(config)
+    out = export_drafter(drafter, tmp_path / "published", dtype=torch.bfloat16)
+    (out / PROVENANCE_FILE).unlink()
+    (out / "config.json").write_text(json.dumps(published_style_config(config, transformers_5=transformers_5)))
+
+    loaded, info = load_dflash_drafter(out)
+    assert loaded.config == config
+    assert info["provenance"] is None
+    assert info["config"]["num_target_layers"] == 8
+    assert torch.equal(loaded.fc.weight, drafter.fc.weight.to(torch.bfloat16).float())
+
+
+def test_sharded_weights_load(tmp_path):
+    drafter = random_drafter(tiny_config())
+    out = export_drafter(drafter, tmp_path / "drafter")
+    tensors = load_file(out / "model.safetensors")
+    (out / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in shards.items():
+        save_file({name: tensors[name] for name in part}, out / file)
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded, _ = load_dflash_drafter(out)
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def _drop_weight(out):
+    tensors = load_file(out / "model.safetensors")
+    del tensors["layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, out / "model.safetensors")
+
+
+def _add_weight(out):
+    tensors = load_file(out / "model.safetensors")
+    tensors["lm_head.weight"] = torch.zeros(97, 32)
+    save_file(tensors, out / "model.safetensors")
+
+
+def _reshape_weight(out):
+    tensors = load_file(out / "model.safetensors")
+    tensors["fc.weight"] = torch.zeros(32, 64)  # two taps' width, config.json says three
+    save_file(tensors, out / "model.safetensors")
+
+
+def _edit_config(**changes):
+    def edit(out):
+        data = json.loads((out / "config.json").read_text())
+        for key, value in changes.items():
+            if value is None:
+                data.pop(key, None)
+            else:
+                data[key] = value
+        (out / "config.json").write_text(json.dumps(data))
+    return edit
+
+
+LOADER_FAULTS = {
+    "missing config": (lambda out: (out / "config.json").unlink(), ["config.json", "no config.json"]),
+    "missing weight": (_drop_weight, ["model.safetensors", "layers.1.self_attn.k_norm.weight"]),
+    "extra weight": (_add_weight, ["model.safetensors", "lm_head.weight"]),
+    "wrong shape": (_reshape_weight, ["model.safetensors", "fc.weight", "[32, 64]"]),
+    "no weights": (lambda out: (out / "model.safetensors").unlink(), ["model.safetensors"]),
+    "no mask token": (_edit_config(dflash_config={"target_layer_ids": [0, 2, 3]}), ["config.json", "mask_token_id"]),
+    "no block size": (_edit_config(block_size=None, dflash_config={"mask_token_id": 96}), ["config.json", "block_size"]),
+    "sliding layers": (_edit_config(layer_types=["sliding_attention", "full_attention"]), ["config.json", "sliding_attention"]),
+    "scaled rope": (_edit_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), ["config.json", "yarn"]),
+    "edited config": (_edit_config(hidden_act="gelu"), ["config.json", "hidden_act"]),
+    "provenance disagrees": (_edit_config(dflash_config={"mask_token_id": 5, "target_layer_ids": [0, 2, 3]}),
+                             [PROVENANCE_FILE, "mask_token_id"]),
+}
+
+
+@pytest.mark.parametrize("fault", list(LOADER_FAULTS))
+def test_loader_errors_are_one_line_naming_the_file_and_key(tmp_path, fault):
+    out = export_drafter(random_drafter(tiny_config()), tmp_path / "drafter")
+    damage, fragments = LOADER_FAULTS[fault]
+    damage(out)
+    with pytest.raises(PipelineError) as excinfo:
+        load_dflash_drafter(out)
+    assert_one_line_error(excinfo, *fragments)
+
+
+# ----------------------------------------------------------------------------- the z-lab reference
+
+
+@pytest.fixture(scope="module")
+def zlab_draft_model_class():
+    """z-lab/dflash's DFlashDraftModel, from the checkout DFLASH_ZLAB_PATH names (skipped when unset)."""
+    path = os.environ.get("DFLASH_ZLAB_PATH")
+    if not path:
+        pytest.skip("set DFLASH_ZLAB_PATH to a z-lab/dflash checkout to compare with the reference drafter")
+    sys.path.insert(0, path)
+    from dflash.model import DFlashDraftModel
+
+    return DFlashDraftModel
+
+
+@pytest.mark.parametrize("make_config", [tiny_config, smollm2_config], ids=["tiny", "smollm2-sizes"])
+def test_zlab_reference_drafts_the_same_logits(tmp_path, zlab_draft_model_class, make_config):
+    """z-lab's model loads our export unchanged and agrees with both of our paths.
+
+    Inference: z-lab's loop (dflash_generate) keeps context K/V in a DynamicCache, feeds only the newly
+    committed features each step and crops the block's K/V off again; ours is DraftCache + draft_block.
+    Training: one forward_blocks call with the DFlash mask must equal z-lab drafting each block alone.
+    """
+    from transformers import DynamicCache
+
+    config = make_config()
+    drafter, head = random_drafter(config), random_head(config)
+    out = export_drafter(drafter, tmp_path / "drafter")
+    reference, loading = zlab_draft_model_class.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    reference.eval()
+    assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"]
+    assert (list(reference.target_layer_ids), reference.block_size, reference.mask_token_id) == \
+        (list(config.target_layer_ids), config.block_size, config.mask_token_id)
+
+    generator = torch.Generator().manual_seed(2)
+    length, size = 40, config.block_size
+    features = torch.randn(length, config.feature_width, generator=generator)
+    ids = torch.randint(0, config.vocab_size, (length,), generator=generator)
+
+    def block_embeddings(anchor):
+        block = torch.full((size,), config.mask_token_id)
+        block[0] = ids[anchor]
+        return head.embed(block)
+
+    def reference_hidden(context, anchor, past=None):
+        """z-lab's forward as dflash_generate calls it: positions from the cache's length to the block's end."""
+        start = 0 if past is None else past.get_seq_length()
+        return reference(target_hidden=features[None, start:context], noise_embedding=block_embeddings(anchor)[None],
+                         position_ids=torch.arange(start, anchor + size)[None], past_key_values=past,
+                         use_cache=past is not None, is_causal=False)[0]
+
+    with torch.no_grad():
+        cache, past = DraftCache(drafter), DynamicCache()
+        for anchor in (17, 22, 23):  # a first draft, then 4 and 0 tokens accepted
+            cache.extend(features[cache.length:anchor])
+            ours = draft_block(drafter, head, cache, int(ids[anchor]))
+            theirs = head.logits(reference_hidden(anchor, anchor, past)[1:])
+            past.crop(anchor - past.get_seq_length())  # drop the block's K/V (negative: valid in transformers 4 and 5)
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+        anchors = [3, 11, 17, 30]
+        count = len(anchors) * size
+        anchor_of = torch.tensor(anchors).repeat_interleave(size)
+        block_of = torch.arange(len(anchors)).repeat_interleave(size)
+        mask = dflash_mask(torch.zeros(length, dtype=torch.long), torch.arange(length), torch.zeros(count, dtype=torch.long),
+                           anchor_of, block_of)
+        ours = drafter.forward_blocks(features, torch.arange(length), torch.cat([block_embeddings(a) for a in anchors]),
+                                      torch.cat([torch.arange(a, a + size) for a in anchors]), mask)
+        theirs = torch.cat([reference_hidden(anchor, anchor) for anchor in anchors])
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(head.logits(ours), head.logits(theirs), rtol=1e-5, atol=1e-5)
