@@ -25,6 +25,8 @@ RECIPES = {
     "B16 lr2e-3": {"lr": 2e-3},
     "B8 lr2e-3 init-top": {"block_size": 8, "lr": 2e-3, "init": "target_top_layers"},
     "B8 lr2e-3 a48": {"block_size": 8, "lr": 2e-3, "anchors_per_sequence": 48},
+    "B4 lr2e-3": {"block_size": 4, "lr": 2e-3},
+    "B8 lr2e-3 a8 t4096": {"block_size": 8, "lr": 2e-3, "anchors_per_sequence": 8, "tokens_per_step": 4096},
 }
 
 

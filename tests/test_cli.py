@@ -21,7 +21,7 @@ from dflash_pipeline.target import TargetInfo, prepare_target
 from dflash_pipeline.train import load_checkpoint
 
 CYCLE = [101, 202, 303, 404, 505]  # every answer repeats it, so a few training steps already draft some tokens right
-SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export"]
+SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export", "plots"]
 
 
 def write_cycle_generated(folder: Path, rows_per_split: dict[str, int], seed: int = 0) -> Path:

@@ -133,3 +133,7 @@ def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(tiny_p
     assert blocks["new"] > blocks["old"]  # more anchors per val sequence: more blocks scored
     shown = dvc(repo, "exp", "show", "--csv").stdout
     assert "0.01" in shown.splitlines()[-1] or any("0.01" in line for line in shown.splitlines()[1:])
+
+    drawn = run(["dflash-pipeline", "plots", "HEAD", "--out", str(repo / "plots-diff")], repo).stdout
+    for name in ("train_loss", "train_tau", "eval_tau_by_step", "eval_slots"):
+        assert f"data_plots_{name}.png" in drawn and (repo / "plots-diff" / f"data_plots_{name}.png").stat().st_size > 1000

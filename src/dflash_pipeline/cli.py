@@ -381,5 +381,99 @@ def export(checkpoint, out, dtype):
                f"target layer ids {list(config.target_layer_ids)})")
 
 
+# ----------------------------------------------------------------------------- plots
+
+
+def _xy_fields(spec) -> tuple[str | None, str | None]:
+    """The x and y fields of a DVC vega-lite plot spec (its first plain, non-aggregated encodings)."""
+    found = {"x": None, "y": None}
+
+    def walk(node):
+        if isinstance(node, dict):
+            encoding = node.get("encoding")
+            if isinstance(encoding, dict):
+                for axis in ("x", "y"):
+                    channel = encoding.get(axis)
+                    if found[axis] is None and isinstance(channel, dict) and "field" in channel and "aggregate" not in channel:
+                        found[axis] = channel["field"]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(spec)
+    return found["x"], found["y"]
+
+
+def render_plots_diff(payload: dict, out_dir: Path) -> list[Path]:
+    """PNGs of `dvc plots diff --json` output: one per plot, one line per revision."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, plots in sorted((payload.get("data") or {}).items()):
+        for plot in plots:
+            if plot.get("type") != "vega":
+                continue  # image plots (our PNGs) are already pictures
+            spec = plot["content"]
+            x_field, y_field = _xy_fields(spec)
+            values = spec.get("data", {}).get("values", [])
+            if not values or x_field is None or y_field is None:
+                continue
+            figure, axis = plt.subplots(figsize=(6, 4))
+            for revision in dict.fromkeys(row.get("rev") for row in values):
+                rows = [row for row in values if row.get("rev") == revision and row.get(y_field) not in (None, "")]
+                axis.plot([float(r[x_field]) for r in rows], [float(r[y_field]) for r in rows], marker=".", label=str(revision))
+            axis.set(xlabel=x_field, ylabel=y_field, title=name)
+            axis.legend(fontsize=8)
+            figure.tight_layout()
+            path = out_dir / (name.replace("/", "_").rsplit(".", 1)[0] + ".png")
+            figure.savefig(path, dpi=110)
+            plt.close(figure)
+            written.append(path)
+    return written
+
+
+@main.command(short_help="Render `dvc plots diff` of revisions or experiments to PNGs (offline).")
+@click.argument("revisions", nargs=-1)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default="data/plots/diff", show_default=True)
+@one_line_errors
+def plots(revisions, out_dir):
+    """`dvc plots diff REVISIONS` drawn to PNG files, one line per revision.
+
+    DVC's own HTML loads its chart scripts from a CDN and stays blank offline; this asks DVC for
+    the same data (`dvc plots diff --json`, so git revisions, tags and `dvc exp` names all work)
+    and draws it with matplotlib. Without REVISIONS: the workspace against HEAD. Run it in the
+    pipeline's repository.
+
+    \b
+    Example:
+      dvc exp run -S train.lr=0.001
+      dflash-pipeline plots HEAD            # workspace (the experiment) vs HEAD
+      dflash-pipeline plots main exp-1a2b3 --out /tmp/plots
+    """
+    import json
+    import subprocess
+
+    command = [sys.executable, "-m", "dvc", "plots", "diff", "--json", *revisions]
+    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        payload = json.loads(result.stdout)
+    except json.JSONDecodeError:
+        detail = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PipelineError(f"dvc plots diff {' '.join(revisions)}: {detail}") from None
+    for error in payload.get("errors", []) or []:
+        click.echo(f"plots: {error.get('rev')}: {error.get('name')}: {error.get('msg')}", err=True)
+    written = render_plots_diff(payload, out_dir)
+    if not written:
+        raise PipelineError(f"dvc plots diff {' '.join(revisions)}: no plot data to draw (is this the pipeline's repository?)")
+    for path in written:
+        click.echo(f"plots: wrote {path}")
+
+
 if __name__ == "__main__":
     main()

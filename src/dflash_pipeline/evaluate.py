@@ -151,6 +151,12 @@ def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
     return correct.numpy(), streaks
 
 
+def _joined(parts: dict[str, list], streak_parts: dict[int, list]) -> BlockScores:
+    """One BlockScores from the per-batch (or per-block) pieces."""
+    return BlockScores(**{name: np.concatenate(pieces) for name, pieces in parts.items()},
+                       streaks={budget: np.concatenate(pieces) for budget, pieces in streak_parts.items()})
+
+
 def _anchors_cap(anchors_per_sequence: int) -> int:
     return anchors_per_sequence if anchors_per_sequence > 0 else 1 << 30
 
@@ -211,13 +217,7 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         parts["anchor"].append(batch.block_positions.view(-1, block_size)[:, 0].numpy())
     if not parts["correct"]:
         raise PipelineError("evaluate: the val shards hold no answer with two tokens in a row to anchor a block")
-    return BlockScores(
-        sequence=np.concatenate(parts["sequence"]),
-        anchor=np.concatenate(parts["anchor"]),
-        correct=np.concatenate(parts["correct"]),
-        valid=np.concatenate(parts["valid"]),
-        streaks={budget: np.concatenate(streak_parts[budget]) for budget in tree_budgets},
-    )
+    return _joined(parts, streak_parts)
 
 
 @torch.no_grad()
@@ -257,13 +257,7 @@ def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset,
             parts["anchor"].append(np.array([anchor]))
             for budget in tree_budgets:
                 streak_parts[budget].append(streaks[budget])
-    return BlockScores(
-        sequence=np.concatenate(parts["sequence"]),
-        anchor=np.concatenate(parts["anchor"]),
-        correct=np.concatenate(parts["correct"]),
-        valid=np.concatenate(parts["valid"]),
-        streaks={budget: np.concatenate(streak_parts[budget]) for budget in tree_budgets},
-    )
+    return _joined(parts, streak_parts)
 
 
 def drafter_label(drafter: DFlashDrafter) -> str:
@@ -731,11 +725,10 @@ def write_plots(result: dict, plots_dir: Path) -> None:
                             for r in checkpoints], columns=["step", "tau", "tau_ci95", "ddtree8_streak"])
     by_step.to_csv(plots_dir / "eval_tau_by_step.csv", index=False)
     shown = [result["best"]] + [r for r in baselines if r["name"] != result["best"]["name"]]
-    slots = max(r["block_size"] for r in shown) - 1
-    slot_table = pd.DataFrame({"slot": list(range(1, slots + 1))})
-    for r in shown:
-        slot_table[r["name"]] = [r.get(f"slot{k}_acc_cond") for k in range(1, slots + 1)]
-    slot_table.to_csv(plots_dir / "eval_slots.csv", index=False)
+    best_slots = range(1, result["best"]["block_size"])  # the chosen drafter's; baselines are in the PNG
+    pd.DataFrame({"slot": list(best_slots), "acceptance": [result["best"].get(f"slot{k}_acc_cond") for k in best_slots],
+                  "acceptance_unconditional": [result["best"].get(f"slot{k}_acc") for k in best_slots]}
+                 ).to_csv(plots_dir / "eval_slots.csv", index=False)
 
     figure, axis = plt.subplots(figsize=(6, 4))
     if checkpoints:
