@@ -22,6 +22,7 @@ from dflash_pipeline.evaluate import (
     score_teacher_forced,
     select_checkpoints,
     speculative_decode,
+    val_prompts,
     summarize_blocks,
     summarize_end_to_end,
 )
@@ -235,3 +236,14 @@ def test_end_to_end_summary_reports_mismatch_position_and_break_even():
     assert summary["e2e_tau"] == pytest.approx(2.5) and summary["speedup"] == pytest.approx(1.0 / 0.6, rel=1e-3)
     # a speculative step costs (0.3 + 0.1) / 2 = 0.2 s, a plain decode step 0.2 s: break-even at tau 1
     assert summary["break_even_tau"] == pytest.approx(1.0) and summary["verify_cost_steps"] == pytest.approx(0.75)
+
+
+def test_end_to_end_prompts_are_taken_round_robin_over_categories(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt_id": f"c{i}", "category": "coding", "prompt_ids": [i]} for i in range(4)]
+    rows += [{"prompt_id": "m0", "category": "math", "prompt_ids": [10]}, {"prompt_id": "t0", "category": "chat", "prompt_ids": [20]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val.parquet")
+    assert [pid for pid, _ in val_prompts(tmp_path / "val.parquet", 5)] == ["c0", "m0", "t0", "c1", "c2"]
+    assert len(val_prompts(tmp_path / "val.parquet", 50)) == 6
