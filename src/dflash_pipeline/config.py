@@ -33,7 +33,7 @@ class GenerateConfig:
     # JSONL or Parquet prompt file: rows with `prompt`, OpenAI `messages` or ShareGPT `conversations`.
     prompts: str = "data/prompts/default.jsonl"
     # How many prompts (in file order) the run uses; 0 means all of them.
-    max_prompts: int = 256
+    max_prompts: int = 512
     # Fraction of prompts that go to validation, decided by each prompt's content hash.
     val_fraction: float = 0.1
     # "error": stop at the first bad row with file:line; "skip": skip bad rows and count them.
@@ -98,7 +98,7 @@ class TrainConfig:
     # Drafter decoder layers (released DFlash drafters use 5; 1 trains fastest on a CPU).
     num_layers: int = 1
     # Block size B: one forward drafts B-1 tokens. 16 as released; 8 learns faster at small scale.
-    block_size: int = 8
+    block_size: int = 4
     # Loss decay over slots, exp(-(k-1)/gamma); null: 7 for B=16, 4 for B=8.
     gamma: float | None = None
     # Mask token id; null: an unused embedding row, else a special token absent from the data.
@@ -112,7 +112,7 @@ class TrainConfig:
     # Linear warmup over this fraction of max_steps, then cosine decay to 10% of lr.
     warmup_fraction: float = 0.04
     grad_clip: float = 1.0
-    max_steps: int = 900
+    max_steps: int = 1600
     # Context tokens packed into one step (whole sequences; a longer one is a step alone).
     tokens_per_step: int = 2048
     # Anchors drawn per sequence per step (the reference recipe uses 512 at 3K tokens).
@@ -125,9 +125,9 @@ class TrainConfig:
     # (train answers): a cheaper head; drafting and evaluation always use the full head.
     train_vocab: str = "full"
     # Held-out teacher-forced tau every eval_every steps, on eval_blocks fixed val blocks.
-    eval_every: int = 100
+    eval_every: int = 200
     eval_blocks: int = 512
-    save_every: int = 100
+    save_every: int = 200
     seed: int = 0
     # Continue from the last checkpoint of the same configuration; false starts fresh.
     resume: bool = True

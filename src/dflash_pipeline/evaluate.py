@@ -756,6 +756,7 @@ def write_plots(result: dict, plots_dir: Path) -> None:
         k = list(range(1, r["block_size"]))
         axis.plot(k, [r.get(f"slot{i}_acc_cond") for i in k], marker="o", label=f"{r['name']} (given earlier slots accepted)")
         axis.plot(k, [r.get(f"slot{i}_acc") for i in k], marker=".", ls=":", label=f"{r['name']} (unconditional)")
+    axis.set_xticks(range(1, max(r["block_size"] for r in shown)))
     axis.set(xlabel="drafted slot", ylabel="acceptance", ylim=(0, 1), title="acceptance by slot")
     axis.legend(fontsize=7)
     figure.tight_layout()
