@@ -247,3 +247,43 @@ def test_end_to_end_prompts_are_taken_round_robin_over_categories(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val.parquet")
     assert [pid for pid, _ in val_prompts(tmp_path / "val.parquet", 5)] == ["c0", "m0", "t0", "c1", "c2"]
     assert len(val_prompts(tmp_path / "val.parquet", 50)) == 6
+
+
+class ScriptedTarget(torch.nn.Module):
+    """A stand-in target whose greedy token after position p is script[p], whatever the context:
+    unlike the tiny random target (which repeats one token), its text never repeats."""
+
+    def __init__(self, script: list[int], feature_width: int):
+        from transformers import LlamaConfig
+
+        super().__init__()
+        self.device_marker = torch.nn.Parameter(torch.zeros(1))
+        self.config = LlamaConfig(vocab_size=max(script) + 1, hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
+        self.script, self.feature_width, self.features = script, feature_width, None
+
+    def forward(self, input_ids, position_ids=None, cache=None, use_cache=True, logits_to_keep=0):
+        from types import SimpleNamespace
+
+        positions = (position_ids if position_ids is not None else torch.arange(input_ids.shape[1])[None])[0].tolist()
+        logits = torch.zeros(1, len(positions), self.config.vocab_size)
+        for row, position in enumerate(positions):
+            logits[0, row, self.script[position]] = 1.0
+        self.features = torch.randn(1, len(positions), self.feature_width)
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+def test_speculative_decoding_stops_at_an_eos_accepted_inside_a_block():
+    drafter, _, _ = small_vocab_setup()  # block 4; only its context cache is used here
+    script = torch.randperm(300, generator=torch.Generator().manual_seed(0)).add(3).tolist()  # no token twice
+    target = ScriptedTarget(script, drafter.config.feature_width)
+    tap = type("Tap", (), {"features": lambda self: target.features})()
+    prompt = [1, 2, 3, 4, 5, 6]
+    answer = script[len(prompt) - 1 :]
+    eos = {answer[6]}  # block 1 commits answer tokens 1-4, block 2 tokens 5-8: the EOS is accepted mid-block
+    plain = greedy_decode(target, prompt, max_new_tokens=30, eos_ids=eos)
+    assert plain.tokens == answer[:7]
+    oracle.prompt_length = len(prompt)
+    spec = speculative_decode(target, tap, drafter, oracle(answer, block_size=4), prompt, max_new_tokens=30, eos_ids=eos)
+    assert spec.tokens == plain.tokens and spec.steps == [4, 4]
+    capped = speculative_decode(target, tap, drafter, oracle(answer, block_size=4), prompt, max_new_tokens=3, eos_ids=set())
+    assert capped.tokens == answer[:3]

@@ -404,7 +404,8 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     _sync(device)
     run = DecodeRun(tokens=[anchor], seconds=0.0, prefill_seconds=time.perf_counter() - started)
     position = len(prompt_ids)  # where the anchor sits
-    while anchor not in eos_ids and len(run.tokens) < max_new_tokens:
+    finished = anchor in eos_ids or len(run.tokens) >= max_new_tokens
+    while not finished:
         began = time.perf_counter()
         proposal = propose(draft_cache, anchor)
         _sync(device)
@@ -424,14 +425,15 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
         committed = proposal[:accepted] + [choice[accepted]]
         for token in committed:
             run.tokens.append(token)
+            # An EOS accepted inside the block ends the answer even though the block goes on.
             if token in eos_ids or len(run.tokens) >= max_new_tokens:
+                finished = True
                 break
         run.steps.append(accepted + 1)
         position += accepted + 1
         anchor = committed[-1]
         run.verify_seconds += verified - drafted
         run.draft_seconds += (drafted - began) + (extended - verified)  # proposing + extending the context cache
-    run.tokens = run.tokens[:max_new_tokens]
     _sync(device)
     run.seconds = time.perf_counter() - started
     return run
