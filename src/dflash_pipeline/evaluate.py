@@ -222,11 +222,13 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
 
 @torch.no_grad()
 def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset, *, anchors_per_sequence: int, tree_budgets: list[int],
-                              seed: int = 0, sequences: list[int] | None = None) -> BlockScores:
+                              seed: int = 0, sequences: list[int] | None = None, reuse_context: bool = True) -> BlockScores:
     """The plain reference: one block per drafter forward through the inference KV cache.
 
     Same anchors and scoring as `score_teacher_forced`; obvious by inspection, and slow (the
-    vocabulary head runs on B-1 rows at a time). Used by the tests and the benchmark.
+    vocabulary head runs on B-1 rows at a time). `reuse_context=False` rebuilds the context
+    cache for every block, as a script that drafts each block from scratch does. Used by the
+    tests and the benchmark.
     """
     drafter.eval()
     config = drafter.config
@@ -244,6 +246,8 @@ def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset,
         anchors = candidates[torch.randperm(candidates.numel(), generator=generator)[:take]].sort().values.tolist()
         cache = DraftCache(drafter)
         for anchor in anchors:
+            if not reuse_context:
+                cache = DraftCache(drafter)
             cache.extend(sample.features[cache.length : anchor].to(head.embed_weight.device))
             logits = draft_block(drafter, head, cache, int(ids[anchor]))
             slots = torch.arange(anchor + 1, anchor + block_size)
