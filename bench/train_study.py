@@ -27,6 +27,8 @@ RECIPES = {
     "B8 lr2e-3 a48": {"block_size": 8, "lr": 2e-3, "anchors_per_sequence": 48},
     "B4 lr2e-3": {"block_size": 4, "lr": 2e-3},
     "B8 lr2e-3 a8 t4096": {"block_size": 8, "lr": 2e-3, "anchors_per_sequence": 8, "tokens_per_step": 4096},
+    "B4 lr2e-3 a32": {"block_size": 4, "lr": 2e-3, "anchors_per_sequence": 32},
+    "B4 lr2e-3 a8 t4096": {"block_size": 4, "lr": 2e-3, "anchors_per_sequence": 8, "tokens_per_step": 4096},
 }
 
 
