@@ -17,7 +17,6 @@ The best checkpoint is the one with the highest teacher-forced tau (not the lowe
 """
 
 import heapq
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,13 +140,12 @@ def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
     # top-k then one logsumexp: no vocabulary-sized log-prob tensor is written
     values, ids = logits.float().topk(min(max(budgets), logits.shape[-1]), dim=-1)
     correct = (ids[..., 0].cpu() == labels) & valid
-    if budgets:
-        logprobs = (values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).cpu().tolist()
-        ids = ids.cpu().tolist()
-        for block in range(logits.shape[0]):
-            reference = labels[block][: int(valid[block].int().cumprod(0).sum())].tolist()
-            for budget in budgets:
-                streaks[budget][block] = ddtree_streak(logprobs[block], ids[block], reference, budget)
+    logprobs = (values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).cpu().tolist()
+    ids = ids.cpu().tolist()
+    for block in range(logits.shape[0]):
+        reference = labels[block][: int(valid[block].int().cumprod(0).sum())].tolist()
+        for budget in budgets:
+            streaks[budget][block] = ddtree_streak(logprobs[block], ids[block], reference, budget)
     return correct.numpy(), streaks
 
 
@@ -537,9 +535,6 @@ def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
     }
 
 
-def ensure_finite(value: float) -> float | None:
-    return None if value is None or (isinstance(value, float) and not math.isfinite(value)) else value
-
 
 # ----------------------------------------------------------------------------- the stage
 
@@ -569,9 +564,9 @@ def load_candidates(*, checkpoint_folders: list[Path], baseline_dirs: list[Path]
         name = folder.name if folder.name not in {c.name for c in candidates} else str(folder)  # two runs' step_000900
         candidates.append(Candidate(name=name, kind="checkpoint", path=folder, drafter=drafter, step=int(info["step"])))
     names = {c.name for c in candidates}
-    for directory in baseline_dirs:
+    if baseline_dirs:
         from dflash_pipeline.export import load_dflash_drafter
-
+    for directory in baseline_dirs:
         directory = Path(directory)
         drafter, _ = load_dflash_drafter(directory, device=device)
         check_drafter_contract(drafter.config, target=target, layer_ids=layer_ids, source=str(directory / "config.json"))
