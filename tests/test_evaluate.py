@@ -15,8 +15,10 @@ from dflash_pipeline.evaluate import (
     acceptance_length,
     check_drafter_contract,
     ddtree_streak,
+    ddtree_streaks,
     drafter_proposer,
     greedy_decode,
+    logits_into,
     per_slot_acceptance,
     score_one_block_at_a_time,
     score_teacher_forced,
@@ -65,6 +67,30 @@ def test_ddtree_streak_grows_with_budget_and_a_full_tree_finds_any_top_k_path():
         streaks = [ddtree_streak(logprobs, ids, reference, budget) for budget in range(1, 40)]
         assert streaks == sorted(streaks)
         assert streaks[-1] == 3  # 3 + 9 + 27 = 39 nodes: the whole tree
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_lockstep_trees_of_many_blocks_equal_the_scalar_tree(ties):
+    # The batched path grows every block's tree in lockstep; it must pop the same nodes, in the
+    # same order, as the obvious heap, ties included (coarse log-probs make many equal scores).
+    rng = np.random.default_rng(5 + ties)
+    budgets = [1, 2, 3, 5, 8, 20]
+    for depth, width in [(1, 1), (1, 4), (3, 1), (3, 3), (4, 6), (6, 2)]:
+        n = 300
+        if ties:
+            logprobs = -rng.integers(0, 3, size=(n, depth, width)).astype(np.float64) * 0.5
+        else:
+            logprobs = np.log(rng.dirichlet(np.ones(width + 3), size=(n, depth))[..., :width])
+        logprobs = -np.sort(-logprobs, axis=-1)
+        ids = np.stack([rng.permutation(10)[:width] for _ in range(n * depth)]).reshape(n, depth, width)
+        # references: mostly tokens the tree offers, sometimes one it does not (id 10)
+        reference = np.where(rng.random((n, depth)) < 0.85, ids[np.arange(n)[:, None], np.arange(depth), rng.integers(0, width, (n, depth))], 10)
+        length = rng.integers(0, depth + 1, n)
+        lockstep = ddtree_streaks(logprobs, ids, reference, length, budgets)
+        for budget in budgets:
+            scalar = [ddtree_streak(logprobs[i].tolist(), ids[i].tolist(), reference[i, : length[i]].tolist(), budget) for i in range(n)]
+            assert lockstep[budget].tolist() == scalar, (depth, width, budget)
+        assert lockstep[20].max() >= min(depth, 2)  # the cases reach past the first token
 
 
 def test_per_slot_acceptance_conditional_and_unconditional():
@@ -136,10 +162,12 @@ def small_vocab_setup(seed=0, vocab=3, block_size=4):
     return drafter, head, InMemorySplit(samples)
 
 
-@pytest.mark.parametrize("anchors", [0, 5])
-def test_batched_scores_equal_one_block_at_a_time(anchors):
+@pytest.mark.parametrize("anchors, logits_chunk, blocks_per_forward", [(0, 1024, 64), (5, 1024, 64), (0, 7, 9)])
+def test_batched_scores_equal_one_block_at_a_time(anchors, logits_chunk, blocks_per_forward):
+    # logits_chunk 7 (2 blocks of 4 slots) with 9 blocks a forward: the head's chunks straddle forwards
     drafter, head, split = small_vocab_setup()
-    batched = score_teacher_forced(drafter, head, split, anchors_per_sequence=anchors, tokens_per_batch=70, tree_budgets=[1, 3, 8])
+    batched = score_teacher_forced(drafter, head, split, anchors_per_sequence=anchors, tokens_per_batch=70, tree_budgets=[1, 3, 8],
+                                   logits_chunk=logits_chunk, blocks_per_forward=blocks_per_forward)
     plain = score_one_block_at_a_time(drafter, head, split, anchors_per_sequence=anchors, tree_budgets=[1, 3, 8])
     for name in ("sequence", "anchor", "correct", "valid"):
         assert np.array_equal(getattr(batched, name), getattr(plain, name)), name
@@ -287,3 +315,14 @@ def test_speculative_decoding_stops_at_an_eos_accepted_inside_a_block():
     assert spec.tokens == plain.tokens and spec.steps == [4, 4]
     capped = speculative_decode(target, tap, drafter, oracle(answer, block_size=4), prompt, max_new_tokens=3, eos_ids=set())
     assert capped.tokens == answer[:3]
+
+
+def test_logits_written_into_a_reused_buffer_equal_the_heads_own():
+    head = TargetHead(torch.randn(50, 8), torch.randn(50, 8))
+    buffer = torch.empty(4 * 3 * 50)
+    hidden = torch.randn(4, 3, 8)
+    first = logits_into(head, hidden, buffer)
+    assert first.shape == (4, 3, 50) and first.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(first, head.logits(hidden), rtol=0, atol=0)
+    fewer = logits_into(head, hidden[:1, 1:], buffer)  # a strided slice, fewer rows: the same storage
+    torch.testing.assert_close(fewer, head.logits(hidden[:1, 1:]), rtol=0, atol=0)

@@ -132,21 +132,100 @@ class BlockScores:
         return acceptance_length(self.correct)
 
 
+def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.ndarray, reference_length: np.ndarray,
+                   budgets: list[int]) -> dict[int, np.ndarray]:
+    """`ddtree_streak` for many blocks at once, for every budget: {budget: streaks [n]}.
+
+    logprobs [n, D, K] float64 and token_ids [n, D, K]: each depth's K best tokens, best first;
+    reference [n, D]: the target's tokens, of which the first reference_length [n] count.
+    The same best-first growth as `ddtree_streak`, run for all blocks in lockstep, ties broken
+    the same way (by push order). Pops come in the same order whatever the budget, so one growth
+    to the largest budget serves them all: the tree of budget k is the first k pops.
+    """
+    n, depth, width = logprobs.shape
+    top = max([0, *budgets])
+    result = {budget: np.zeros(n, dtype=np.int64) for budget in budgets}
+    if n == 0 or top <= 0 or depth == 0:
+        return result
+    capacity = 2 * top + 1  # the root, then at most two pushes per pop
+    rows = np.arange(n)
+    alive = np.zeros((n, capacity), dtype=bool)
+    score = np.full((n, capacity), -np.inf)
+    parent_score = np.zeros((n, capacity))
+    node_depth = np.zeros((n, capacity), dtype=np.int64)
+    node_rank = np.zeros((n, capacity), dtype=np.int64)
+    parent = np.full((n, capacity), -1, dtype=np.int64)
+    alive[:, 0], score[:, 0] = True, logprobs[:, 0, 0]
+    pushed = np.ones(n, dtype=np.int64)
+    on_path = np.zeros((n, top), dtype=bool)  # pop t is a node of the reference walk
+
+    def push(which, entry_score, entry_parent_score, entry_depth, entry_rank, entry_parent):
+        chosen = rows[which]
+        slot = pushed[chosen]
+        alive[chosen, slot], score[chosen, slot], parent_score[chosen, slot] = True, entry_score[which], entry_parent_score[which]
+        node_depth[chosen, slot], node_rank[chosen, slot], parent[chosen, slot] = entry_depth[which], entry_rank[which], entry_parent[which]
+        pushed[chosen] += 1
+
+    for step in range(top):
+        popped = alive.any(axis=1)
+        if not popped.any():
+            break  # every tree is complete (a tiny vocabulary)
+        masked = np.where(alive, score, -np.inf)
+        best = masked.max(axis=1, keepdims=True)
+        pick = np.argmax(alive & (masked == best), axis=1)  # slots are in push order: the first is the heap's pick
+        d, r, p = node_depth[rows, pick], node_rank[rows, pick], parent[rows, pick]
+        s, ps = score[rows, pick], parent_score[rows, pick]
+        alive[rows, pick] &= ~popped
+        parent_on_path = np.where(p < 0, True, on_path[rows, np.maximum(p, 0)])
+        matches = token_ids[rows, d, r] == reference[rows, d]
+        on_path[:, step] = popped & parent_on_path & (d < reference_length) & matches
+        sibling = np.minimum(r + 1, width - 1)
+        push(popped & (r + 1 < width), ps + logprobs[rows, d, sibling], ps, d, r + 1, p)
+        child = np.minimum(d + 1, depth - 1)
+        push(popped & (d + 1 < depth), s + logprobs[rows, child, 0], s, d + 1, np.zeros_like(r), np.full_like(p, step))
+    reached = np.cumsum(on_path, axis=1)
+    for budget in budgets:
+        if budget > 0:
+            result[budget] = reached[:, budget - 1]
+    return result
+
+
 def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int]):
-    """logits [n, B-1, V] -> correct [n, B-1] and streaks {budget: [n]}."""
-    streaks = {budget: np.zeros(logits.shape[0], dtype=np.int64) for budget in budgets}
+    """logits [n, B-1, V] (overwritten when float32) -> correct [n, B-1] and streaks {budget: [n]}.
+
+    The log-sum-exp the tree needs is taken in place: a fresh vocabulary-sized tensor per chunk
+    costs more in page faults than the arithmetic. One block (the reference loop) walks the
+    obvious scalar tree; many blocks take the lockstep `ddtree_streaks`.
+    """
     if not budgets:
-        return ((logits.argmax(-1).cpu() == labels) & valid).numpy(), streaks
-    # top-k then one logsumexp: no vocabulary-sized log-prob tensor is written
-    values, ids = logits.float().topk(min(max(budgets), logits.shape[-1]), dim=-1)
+        return ((logits.argmax(-1).cpu() == labels) & valid).numpy(), {}
+    logits = logits.float()  # a bf16 head's logits (GPU) are scored in fp32, in a copy
+    values, ids = logits.topk(min(max(budgets), logits.shape[-1]), dim=-1)
     correct = (ids[..., 0].cpu() == labels) & valid
-    logprobs = (values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).cpu().tolist()
-    ids = ids.cpu().tolist()
+    top1 = values[..., :1]
+    lse = logits.sub_(top1).exp_().sum(-1, keepdim=True).log_().add_(top1)
+    logprobs, ids = (values - lse).cpu().double().numpy(), ids.cpu().numpy()
+    reference_length = valid.int().cumprod(1).sum(1).numpy()
+    if logits.shape[0] > 1:
+        return correct.numpy(), ddtree_streaks(logprobs, ids, labels.numpy(), reference_length, budgets)
+    streaks = {budget: np.zeros(logits.shape[0], dtype=np.int64) for budget in budgets}
     for block in range(logits.shape[0]):
-        reference = labels[block][: int(valid[block].int().cumprod(0).sum())].tolist()
+        reference = labels[block][: reference_length[block]].tolist()
         for budget in budgets:
-            streaks[budget][block] = ddtree_streak(logprobs[block], ids[block], reference, budget)
+            streaks[budget][block] = ddtree_streak(logprobs[block].tolist(), ids[block].tolist(), reference, budget)
     return correct.numpy(), streaks
+
+
+def logits_into(head: TargetHead, hidden: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The head's logits [..., V] of hidden [..., H], written into `buffer` (>= rows x V elements).
+
+    On CPU a fresh vocabulary-sized result is first touched page by page: its matmul ran at
+    150-180 GFLOP/s here against ~400 in a reused buffer. Valid until the buffer is reused.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(head.lm_head_weight.dtype).contiguous()
+    result = buffer.view(-1)[: flat.shape[0] * head.lm_head_weight.shape[0]].view(flat.shape[0], -1)
+    torch.mm(flat, head.lm_head_weight.T, out=result)
+    return result.view(*hidden.shape[:-1], -1)
 
 
 def _joined(parts: dict[str, list], streak_parts: dict[int, list]) -> BlockScores:
@@ -167,7 +246,7 @@ def _anchor_seed(seed: int, sequence: int) -> int:
 @torch.no_grad()
 def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, anchors_per_sequence: int, tokens_per_batch: int,
                          tree_budgets: list[int], seed: int = 0, sequences: list[int] | None = None, logits_chunk: int = 1024,
-                         blocks_per_forward: int = 256, progress: bool = False) -> BlockScores:
+                         blocks_per_forward: int = 64, progress: bool = False) -> BlockScores:
     """Teacher-forced scores of one drafter, all blocks of a packed group of sequences per forward."""
     from tqdm import tqdm
 
@@ -192,6 +271,26 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
     device = head.embed_weight.device
     parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
     streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
+    # The head runs on chunks of `chunk` blocks gathered across forwards (a forward holds few
+    # blocks, to keep its dense mask small), in one reused buffer (see `logits_into`).
+    chunk = max(1, logits_chunk // (block_size - 1))
+    logits_buffer = torch.empty(chunk * (block_size - 1) * head.lm_head_weight.shape[0], device=device, dtype=head.lm_head_weight.dtype)
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # drafted, not yet through the head
+
+    def score_pending(everything: bool) -> None:
+        hidden, labels, valid = (torch.cat(piece) for piece in zip(*pending))
+        pending.clear()
+        ready = hidden.shape[0] if everything else hidden.shape[0] // chunk * chunk
+        for start in range(0, ready, chunk):
+            stop = min(start + chunk, ready)
+            logits = logits_into(head, hidden[start:stop], logits_buffer)
+            correct, streaks = _score_logits(logits, labels[start:stop], valid[start:stop], tree_budgets)
+            parts["correct"].append(correct)
+            for budget in tree_budgets:
+                streak_parts[budget].append(streaks[budget])
+        if ready < hidden.shape[0]:
+            pending.append((hidden[ready:], labels[ready:], valid[ready:]))
+
     for group in tqdm(groups, desc=f"evaluate {drafter_label(drafter)}", unit="batch", disable=not progress, leave=False):
         samples = [dataset[index] for index in group]
         counts = [min(cap, valid_anchors(sample.loss_mask).numel()) for sample in samples]
@@ -202,17 +301,15 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         embeddings = head.embed(batch.block_ids.to(device)).to(drafter.fc.weight.dtype)
         hidden = drafter.forward_blocks([f.to(device) for f in batch.features], batch.context_positions.to(device), embeddings,
                                         batch.block_positions.to(device), batch.mask.to(device))
-        hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:]
         valid = batch.weights > 0
-        for start in range(0, hidden.shape[0], max(1, logits_chunk // (block_size - 1))):
-            stop = start + max(1, logits_chunk // (block_size - 1))
-            correct, streaks = _score_logits(head.logits(hidden[start:stop]), batch.labels[start:stop], valid[start:stop], tree_budgets)
-            parts["correct"].append(correct)
-            for budget in tree_budgets:
-                streak_parts[budget].append(streaks[budget])
+        pending.append((hidden.view(-1, block_size, hidden.shape[-1])[:, 1:], batch.labels, valid))
+        if sum(piece[0].shape[0] for piece in pending) >= chunk:
+            score_pending(everything=False)
         parts["valid"].append(valid.numpy())
         parts["sequence"].append(np.repeat(np.array(group), counts))
         parts["anchor"].append(batch.block_positions.view(-1, block_size)[:, 0].numpy())
+    if pending:
+        score_pending(everything=True)
     if not parts["correct"]:
         raise PipelineError("evaluate: the val shards hold no answer with two tokens in a row to anchor a block")
     return _joined(parts, streak_parts)
