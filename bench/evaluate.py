@@ -56,8 +56,14 @@ def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
 
 
 def _timed(function):
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     started = time.perf_counter()
     result = function()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return result, time.perf_counter() - started
 
 
@@ -67,7 +73,8 @@ def _timed(function):
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--sequences", default=0, show_default=True, help="Val prompts in the larger comparison (0 = all of them).")
-def main(checkpoint, hidden, target_json, params_path, sequences):
+@click.option("--device", default=None, help="Default: cuda when present, else cpu. The head stays fp32 (TF32 off) so the paths can agree exactly.")
+def main(checkpoint, hidden, target_json, params_path, sequences, device):
     import numpy as np
     import torch
 
@@ -80,12 +87,15 @@ def main(checkpoint, hidden, target_json, params_path, sequences):
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)
     checkpoint = checkpoint or list_checkpoints(Path("data/checkpoints"))[-1]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
     drafter, _ = load_checkpoint(checkpoint)
-    head = load_target_head(target, device="cpu", dtype=torch.float32)
+    drafter = drafter.to(device)
+    head = load_target_head(target, device=device, dtype=torch.float32)
     dataset = open_split(hidden, expected_fingerprint=target.fingerprint)
     budgets = list(config.tree_budgets)
     print(f"drafter {checkpoint} ({drafter.config.num_layers} layer(s), block {drafter.config.block_size}); "
-          f"{len(dataset)} val prompts; torch threads {torch.get_num_threads()}")
+          f"{len(dataset)} val prompts; {device}, torch threads {torch.get_num_threads()}")
 
     def compare(label, chosen, anchors):
         kwargs = dict(anchors_per_sequence=anchors, tree_budgets=budgets, seed=config.seed, sequences=chosen)
