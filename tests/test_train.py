@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -152,6 +153,32 @@ def test_rerun_resumes_and_other_configurations_start_fresh(tiny_run, tmp_path):
     changed = _train(tiny_run, out, replace(TINY_TRAIN, lr=2e-3))
     assert changed["resumed_from"] == 0 and changed["curve"][0]["loss"] == full["curve"][0]["loss"]
     assert changed["curve"][-1]["loss"] != full["curve"][-1]["loss"]
+
+
+def test_a_kill_between_the_state_files_resumes_exactly(tiny_run, tmp_path, monkeypatch):
+    # A kill after state.pt of step 4 is in place but before state.json follows: the two files
+    # disagree. Resuming must take step, optimizer and curve from one of them (state.pt), or the
+    # step-2 weights would continue with step-4 optimizer moments (a flaky kill -9 test found it).
+    import dflash_pipeline.train as train_module
+
+    config = replace(TINY_TRAIN, save_every=2)
+    full = _train(tiny_run, tmp_path / "reference", config)
+    real_write = train_module.write_json_atomic
+
+    def killed_at_step_4(path, data):
+        if Path(path).name == "state.json" and data["step"] == 4:
+            raise KeyboardInterrupt("killed between state.pt and state.json")
+        real_write(path, data)
+
+    monkeypatch.setattr(train_module, "write_json_atomic", killed_at_step_4)
+    out = tmp_path / "ck"
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny_run, out, config)
+    monkeypatch.setattr(train_module, "write_json_atomic", real_write)
+    assert json.loads((out / "state.json").read_text())["step"] == 2  # the files disagree
+    resumed = _train(tiny_run, out, config)
+    assert resumed["resumed_from"] == 4
+    assert [row["loss"] for row in resumed["curve"]] == [row["loss"] for row in full["curve"]]
 
 
 def _stage_cmd(tmp_path, tiny_run, out, launcher=(sys.executable,), **train):

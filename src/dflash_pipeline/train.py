@@ -458,8 +458,11 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
 
 
 def _save_state(out_dir: Path, *, step: int, optimizer, curve: list[dict], record: dict) -> None:
-    """Everything needed to continue exactly: optimizer moments, RNG, curve so far."""
-    state = {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+    """Everything needed to continue exactly, in ONE file replaced atomically: step, optimizer
+    moments, RNG, curve so far and the run's settings. (Two files written one after the other
+    let a kill between them pair one step's optimizer with another step's weights.) state.json
+    repeats step, curve and settings for people and tools; resuming never reads it."""
+    state = {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(), "curve": curve, "record": record}
     tmp = out_dir / "state.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, out_dir / "state.pt")
@@ -467,15 +470,16 @@ def _save_state(out_dir: Path, *, step: int, optimizer, curve: list[dict], recor
 
 
 def _resume_point(out_dir: Path, record: dict) -> dict | None:
-    """The saved state when it belongs to this exact run configuration, else None."""
+    """The saved state (state.pt) when it belongs to this exact run configuration, else None."""
     try:
-        saved = json.loads((out_dir / "state.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        state = torch.load(out_dir / "state.pt", weights_only=True)
+    except FileNotFoundError:
         return None
-    same = all(saved.get(key) == value for key, value in record.items())
-    if not same or not (out_dir / "state.pt").is_file() or not (out_dir / f"step_{saved['step']:06d}").is_dir():
+    except Exception:  # not loadable as plain tensors and containers (another program's file): start fresh
         return None
-    return saved
+    if state.get("record") != record or not (out_dir / f"step_{state['step']:06d}").is_dir():
+        return None
+    return state
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -582,9 +586,8 @@ def run_train(
     if resume is not None:
         drafter_state, _ = load_checkpoint(out_dir / f"step_{resume['step']:06d}")
         drafter.load_state_dict(drafter_state.state_dict())
-        state = torch.load(out_dir / "state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
+        optimizer.load_state_dict(resume["optimizer"])
+        torch.set_rng_state(resume["torch_rng"])
         start_step, curve = resume["step"], resume["curve"]
         if rank == 0:
             log(f"train: resuming at step {start_step} from {out_dir / f'step_{start_step:06d}'}")
