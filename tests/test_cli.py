@@ -205,6 +205,9 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     rows = {row["kind"]: row for row in json.loads((out / "comparison.json").read_text())}
     ours, baseline = rows["checkpoint"], rows["baseline"]
     assert comparable(ours) == comparable(baseline)
+    assert baseline["tau_vs_best"] == 0 and baseline["tau_vs_best_ci95"] == 0  # paired over prompts: exactly no difference
+    assert "export vs step_000004: tau difference +0.0000 +- 0.0000" in result.stderr + result.stdout
+    assert "not distinguishable at 95%" in result.stderr + result.stdout
     manifest = json.loads((tiny.val / "manifest.json").read_text())
     assert ours["blocks"] == manifest["loss_tokens"] - manifest["sequences"]  # --anchors 0: every answer position but the last
     assert "ddtree8_streak" in ours and "e2e_tau" not in ours  # no --prompts: no end-to-end decoding

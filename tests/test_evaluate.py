@@ -13,11 +13,13 @@ from dflash_pipeline.evaluate import (
     DecodeRun,
     EndToEndPrompt,
     acceptance_length,
+    comparison_verdict,
     check_drafter_contract,
     ddtree_streak,
     ddtree_streaks,
     drafter_proposer,
     greedy_decode,
+    paired_difference,
     logits_into,
     per_slot_acceptance,
     score_one_block_at_a_time,
@@ -91,6 +93,30 @@ def test_lockstep_trees_of_many_blocks_equal_the_scalar_tree(ties):
             scalar = [ddtree_streak(logprobs[i].tolist(), ids[i].tolist(), reference[i, : length[i]].tolist(), budget) for i in range(n)]
             assert lockstep[budget].tolist() == scalar, (depth, width, budget)
         assert lockstep[20].max() >= min(depth, 2)  # the cases reach past the first token
+
+
+def _scores_with_tau(per_block_tau: list[list[int]]) -> BlockScores:
+    """BlockScores whose blocks have the given tau, prompt by prompt (block size 5)."""
+    sequence = np.concatenate([[p] * len(taus) for p, taus in enumerate(per_block_tau)])
+    taus = np.concatenate(per_block_tau)
+    correct = np.arange(4)[None, :] < (taus - 1)[:, None]  # tau - 1 leading correct slots
+    return BlockScores(sequence=sequence, anchor=np.zeros(len(taus), int), correct=correct, valid=np.ones_like(correct))
+
+
+def test_paired_difference_cancels_the_spread_between_prompts():
+    # Prompt means: ours 1.5, 4.5, 1.5, 4.5; theirs 1.0, 4.0, 1.0, 4.5 -> differences .5, .5, .5, 0.
+    ours = _scores_with_tau([[1, 2], [4, 5], [2, 1], [4, 5]])
+    theirs = _scores_with_tau([[1, 1], [4, 4], [1, 1], [5, 4]])
+    mean, half, prompts = paired_difference(ours, theirs)
+    assert prompts == 4 and mean == pytest.approx(0.375)
+    assert half == pytest.approx(1.96 * 0.25 / 2)  # sd of (.5, .5, .5, 0) is .25
+    own_half = summarize_blocks(ours)["tau_ci95"]
+    assert own_half > 1.5 and half < 0.25  # each drafter's own interval would never separate them
+    assert comparison_verdict("ours", "theirs", mean, half, prompts) == (
+        "ours vs theirs: tau difference +0.3750 +- 0.2450 (paired over 4 prompts): ours is better")
+    assert paired_difference(theirs, ours)[0] == pytest.approx(-0.375)
+    assert comparison_verdict("a", "b", 0.1, 0.2, 4).endswith("not distinguishable at 95%")
+    assert comparison_verdict("a", "b", -0.3, 0.2, 4).endswith("a is worse")
 
 
 def test_per_slot_acceptance_conditional_and_unconditional():

@@ -411,6 +411,30 @@ def summarize_blocks(scores: BlockScores, categories: list[str] | None = None) -
     return summary
 
 
+def paired_difference(scores: BlockScores, reference: BlockScores) -> tuple[float, float, int]:
+    """tau of `scores` minus tau of `reference`, paired by prompt: mean and 95% CI half-width over
+    the prompts both scored (each prompt's blocks averaged first), and how many prompts.
+
+    Every drafter is scored on the same anchors of the same prompts, so the spread between
+    prompts (math answers are easy for any drafter, chat answers hard) cancels in the difference:
+    its interval is much narrower than either drafter's own, and it is the one that says whether
+    one drafter beats another.
+    """
+    shared = np.intersect1d(np.unique(scores.sequence), np.unique(reference.sequence))
+    differences = [float(scores.tau[scores.sequence == s].mean() - reference.tau[reference.sequence == s].mean()) for s in shared]
+    mean, half = mean_ci95(differences)
+    return mean, half, len(differences)
+
+
+def comparison_verdict(name: str, reference: str, mean: float, half: float, prompts: int) -> str:
+    """One line: is `name` better or worse than `reference`, or can 95% not tell them apart."""
+    if not np.isfinite(half) or abs(mean) <= half:
+        verdict = "not distinguishable at 95%"
+    else:
+        verdict = f"{name} is {'better' if mean > 0 else 'worse'}"
+    return f"{name} vs {reference}: tau difference {mean:+.4f} +- {half:.4f} (paired over {prompts} prompts): {verdict}"
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -744,6 +768,11 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
 
     has_checkpoints = any(row["kind"] == "checkpoint" for row in rows)
     best = choose_best(rows) if has_checkpoints else rows[0]
+    for row in rows:
+        mean, half, prompts = paired_difference(blocks[row["name"]], blocks[best["name"]])
+        row.update(tau_vs_best=round(mean, 4), tau_vs_best_ci95=round(half, 4))
+        if row["kind"] == "baseline":
+            log(f"evaluate: {comparison_verdict(row['name'], best['name'], mean, half, prompts)}")
     e2e_names = [best["name"]] + [row["name"] for row in rows if row["kind"] == "baseline" and row["name"] != best["name"]]
     e2e, e2e_results = {}, []
     if config.num_prompts > 0 and generated_val is not None:
@@ -776,7 +805,8 @@ def flat_metrics(result: dict, tree_budgets: list[int]) -> dict:
     keep += sorted(k for k in best if k.startswith("slot") or (k.startswith("tau_") and k not in ("tau_ci95", "tau_per_block")))
     metrics = {key: best[key] for key in keep if key in best}
     metrics.update(chosen=best["name"], chosen_step=best["step"], teacher_forced_seconds=result["teacher_forced_seconds"])
-    baselines = {row["name"]: {k: row.get(k) for k in ("tau", "tau_ci95", "ddtree8_streak", "e2e_tau", "speedup", "lossless_rate") if k in row}
+    baselines = {row["name"]: {k: row.get(k) for k in ("tau", "tau_ci95", "tau_vs_best", "tau_vs_best_ci95", "ddtree8_streak", "e2e_tau",
+                                                    "speedup", "lossless_rate") if k in row}
                  for row in result["rows"] if row["kind"] == "baseline"}
     if baselines:
         metrics["baselines"] = baselines
@@ -879,8 +909,11 @@ def summary_table(result: dict) -> str:
     """The printed comparison: one row per drafter."""
     import pandas as pd
 
-    columns = ["name", "kind", "tau", "tau_ci95", "ddtree8_streak", "slot1_acc", "e2e_tau", "speedup", "lossless_rate", "break_even_tau"]
+    columns = ["name", "kind", "tau", "tau_ci95", "vs_best", "ddtree8_streak", "slot1_acc", "e2e_tau", "speedup", "lossless_rate",
+               "break_even_tau"]
     table = pd.DataFrame(result["rows"])
+    if "tau_vs_best" in table.columns:  # the paired difference to the chosen drafter, with its 95% CI
+        table["vs_best"] = [f"{m:+.4f}+-{h:.4f}" for m, h in zip(table["tau_vs_best"], table["tau_vs_best_ci95"])]
     table = table[[c for c in columns if c in table.columns]]
     table.loc[table["name"] == result["best"]["name"], "name"] += " *"
     return table.to_string(index=False)
