@@ -217,6 +217,8 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     assert (by_drafter["export"]["tau"] > 1).any()  # the comparison is not between two all-miss drafters
     best = json.loads((out / "best.json").read_text())
     assert best["name"] == "step_000004" and (out / "eval.json").is_file() and (out / "plots" / "eval_tau.png").is_file()
+    metrics = json.loads((out / "eval.json").read_text())
+    assert "tau_vs_best" not in metrics and metrics["baselines"]["export"]["tau_vs_best"] == 0
 
 
 def test_evaluate_with_a_model_folder_target_and_val_prompts_decodes_losslessly(tiny):

@@ -802,7 +802,8 @@ def flat_metrics(result: dict, tree_budgets: list[int]) -> dict:
             "spec_tokens_per_s", "break_even_tau", "verify_cost_steps", "draft_cost_steps", "decode_step_ms", "e2e_prompts",
             "time_prefill", "time_verify", "time_draft", "time_overhead"]
     keep += [f"ddtree{b}_streak" for b in tree_budgets] + [f"ddtree{b}_streak_ci95" for b in tree_budgets]
-    keep += sorted(k for k in best if k.startswith("slot") or (k.startswith("tau_") and k not in ("tau_ci95", "tau_per_block")))
+    keep += sorted(k for k in best if k.startswith("slot") or (k.startswith("tau_") and k not in ("tau_ci95", "tau_per_block")
+                                                                and not k.startswith("tau_vs_best")))  # zero against itself
     metrics = {key: best[key] for key in keep if key in best}
     metrics.update(chosen=best["name"], chosen_step=best["step"], teacher_forced_seconds=result["teacher_forced_seconds"])
     baselines = {row["name"]: {k: row.get(k) for k in ("tau", "tau_ci95", "tau_vs_best", "tau_vs_best_ci95", "ddtree8_streak", "e2e_tau",
