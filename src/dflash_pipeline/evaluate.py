@@ -421,7 +421,9 @@ def paired_difference(scores: BlockScores, reference: BlockScores) -> tuple[floa
     one drafter beats another.
     """
     shared = np.intersect1d(np.unique(scores.sequence), np.unique(reference.sequence))
-    differences = [float(scores.tau[scores.sequence == s].mean() - reference.tau[reference.sequence == s].mean()) for s in shared]
+    ours, theirs = (_per_prompt_mean(b.tau[np.isin(b.sequence, shared)].astype(np.float64), b.sequence[np.isin(b.sequence, shared)])
+                    for b in (scores, reference))
+    differences = [a - b for a, b in zip(ours, theirs)]
     mean, half = mean_ci95(differences)
     return mean, half, len(differences)
 
@@ -802,8 +804,8 @@ def flat_metrics(result: dict, tree_budgets: list[int]) -> dict:
             "spec_tokens_per_s", "break_even_tau", "verify_cost_steps", "draft_cost_steps", "decode_step_ms", "e2e_prompts",
             "time_prefill", "time_verify", "time_draft", "time_overhead"]
     keep += [f"ddtree{b}_streak" for b in tree_budgets] + [f"ddtree{b}_streak_ci95" for b in tree_budgets]
-    keep += sorted(k for k in best if k.startswith("slot") or (k.startswith("tau_") and k not in ("tau_ci95", "tau_per_block")
-                                                                and not k.startswith("tau_vs_best")))  # zero against itself
+    categories = sorted(set(result["categories"]))
+    keep += sorted([k for k in best if k.startswith("slot")] + [f"tau_{c}" for c in categories] + [f"tau_{c}_ci95" for c in categories])
     metrics = {key: best[key] for key in keep if key in best}
     metrics.update(chosen=best["name"], chosen_step=best["step"], teacher_forced_seconds=result["teacher_forced_seconds"])
     baselines = {row["name"]: {k: row.get(k) for k in ("tau", "tau_ci95", "tau_vs_best", "tau_vs_best_ci95", "ddtree8_streak", "e2e_tau",
