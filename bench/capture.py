@@ -127,8 +127,10 @@ def _first_sample_seconds(read_first) -> float:
 def main(target_json, generated, count, rounds, scratch):
     import torch
 
-    from dflash_pipeline.capture import LayerTap, build_target_layer_ids, load_sequences, plan_shards
-    from dflash_pipeline.shards import bytes_per_token, open_split, sha256_file
+    from dflash_pipeline.capture import load_sequences, plan_shards
+    from dflash_pipeline.target import LayerTap, build_target_layer_ids
+    from dflash_pipeline.files import sha256_file
+    from dflash_pipeline.shards import bytes_per_token, open_split
     from dflash_pipeline.target import TargetInfo, load_target
 
     info = TargetInfo.from_json(target_json)

@@ -79,10 +79,11 @@ def main(checkpoint, hidden, target_json, params_path, sequences, device):
     import torch
 
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.evaluate import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.scoring import score_one_block_at_a_time, score_teacher_forced
     from dflash_pipeline.shards import open_split
     from dflash_pipeline.target import TargetInfo
-    from dflash_pipeline.train import list_checkpoints, load_checkpoint, load_target_head
+    from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
+    from dflash_pipeline.target import load_target_head
 
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)

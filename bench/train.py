@@ -19,31 +19,36 @@ import click
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _run(samples_for, plan, config, drafter_state, head, vocabulary, mask_token_id, gamma, device, attention):
+class _Source:
+    """Sample i of a source function, as the training run indexes its train set."""
+
+    def __init__(self, sample):
+        self.sample = sample
+
+    def __getitem__(self, index):
+        return self.sample(index)
+
+
+def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, gamma, device, attention):
+    """The stage's own `train_step` over `plan`, with samples from `sample(i)`."""
     import torch
 
     from dflash_pipeline.model import DFlashDrafter
-    from dflash_pipeline.train import _to, block_loss, build_batch
+    from dflash_pipeline.train import TrainingRun, train_step
 
     drafter = DFlashDrafter(drafter_state["config"]).to(device)
     drafter.load_state_dict(drafter_state["weights"])
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95))
+    run = TrainingRun(config=replace(config, max_steps=len(plan)), drafter=drafter, head=head, vocabulary=vocabulary,
+                      optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95)), train_set=_Source(sample),
+                      val_set=None, plan=plan, mask_token_id=mask_token_id, gamma=gamma, record={}, device=device, attention=attention)
     context_tokens = trained = 0
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     started = time.perf_counter()
-    for step, indices in enumerate(plan):
-        batch = build_batch(samples_for(indices), anchors_per_sequence=config.anchors_per_sequence, block_size=config.block_size,
-                            mask_token_id=mask_token_id, gamma=gamma, anchor_seeds=[step * 1000 + i for i in range(len(indices))])
-        batch = _to(batch, device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
-            loss, _, _ = block_loss(drafter, head, batch, logits_chunk=config.logits_chunk, attention=attention, vocabulary=vocabulary)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
-        optimizer.step()
-        context_tokens += batch.context_tokens
-        trained += int((batch.weights > 0).sum())
+    for step in range(len(plan)):
+        row = train_step(run, step)
+        context_tokens += row["context_tokens"]
+        trained += row["trained_positions"]
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - started, context_tokens, trained, drafter
@@ -58,11 +63,12 @@ def _run(samples_for, plan, config, drafter_state, head, vocabulary, mask_token_
 def main(hidden, target_json, steps, rounds, device):
     import torch
 
+    from dflash_pipeline.blocks import default_gamma
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.model import DFlashDrafter, count_parameters, default_gamma
+    from dflash_pipeline.model import DFlashDrafter, count_parameters
     from dflash_pipeline.shards import Sample, open_split
-    from dflash_pipeline.target import TargetInfo
-    from dflash_pipeline.train import TrainingVocabulary, drafter_config_for, load_target_head, plan_steps
+    from dflash_pipeline.target import TargetInfo, load_target_head
+    from dflash_pipeline.train import TrainingVocabulary, drafter_config_for, plan_steps
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = load_params("params.yaml").train
@@ -89,8 +95,7 @@ def main(hidden, target_json, steps, rounds, device):
           f"{vocabulary.head_rows.shape[0]} tokens, {attention} attention, {device}, torch threads {torch.get_num_threads()}")
 
     loader = open_split(hidden / "train", verify="none")
-    sources = {"shard loader": lambda indices: [loader[i] for i in indices],
-               "in memory": lambda indices: [in_memory[i] for i in indices]}
+    sources = {"shard loader": lambda i: loader[i], "in memory": lambda i: in_memory[i]}
     _run(sources["in memory"], plan[:2], config, state, head, vocabulary, mask_token_id, gamma, device, attention)  # warm-up
     totals = {name: [0.0, 0, 0] for name in sources}
     for round_index in range(rounds):

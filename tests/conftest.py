@@ -157,7 +157,7 @@ def write_generated(folder, rows_per_split, *, seed=0, prompt_len=(20, 60), answ
     import pyarrow.parquet as pq
     import torch
 
-    from dflash_pipeline.generate import GENERATED_SCHEMA
+    from dflash_pipeline.prompts import GENERATED_SCHEMA
 
     generator = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, run, start_then_kill_9, write_generated
-from dflash_pipeline.capture import LayerTap, Sequence, build_target_layer_ids, forward_batch, load_sequences, plan_shards
+from dflash_pipeline.capture import Sequence, forward_batch, load_sequences, plan_shards
+from dflash_pipeline.target import LayerTap, build_target_layer_ids
 from dflash_pipeline.config import CaptureConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.generate import GENERATED_SCHEMA
+from dflash_pipeline.prompts import GENERATED_SCHEMA
 from dflash_pipeline.shards import open_split
 from dflash_pipeline.target import TargetInfo, load_target, prepare_target
 

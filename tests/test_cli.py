@@ -16,9 +16,10 @@ from click.testing import CliRunner
 from conftest import stage_env
 from dflash_pipeline.cli import main
 from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
-from dflash_pipeline.export import PROVENANCE_FILE, export_checkpoint, load_dflash_drafter
+from dflash_pipeline.export import export_checkpoint
+from dflash_pipeline.serving import PROVENANCE_FILE, load_dflash_drafter
 from dflash_pipeline.target import TargetInfo, prepare_target
-from dflash_pipeline.train import load_checkpoint
+from dflash_pipeline.checkpoints import load_checkpoint
 
 CYCLE = [101, 202, 303, 404, 505]  # every answer repeats it, so a few training steps already draft some tokens right
 SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export", "plots"]
@@ -29,7 +30,7 @@ def write_cycle_generated(folder: Path, rows_per_split: dict[str, int], seed: in
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_pipeline.generate import GENERATED_SCHEMA
+    from dflash_pipeline.prompts import GENERATED_SCHEMA
 
     generator = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)

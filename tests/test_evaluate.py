@@ -8,29 +8,11 @@ import pytest
 import torch
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.evaluate import (
-    BlockScores,
-    DecodeRun,
-    EndToEndPrompt,
-    acceptance_length,
-    comparison_verdict,
-    check_drafter_contract,
-    ddtree_streak,
-    ddtree_streaks,
-    drafter_proposer,
-    greedy_decode,
-    paired_difference,
-    logits_into,
-    per_slot_acceptance,
-    score_one_block_at_a_time,
-    score_teacher_forced,
-    select_checkpoints,
-    speculative_decode,
-    val_prompts,
-    summarize_blocks,
-    summarize_end_to_end,
-)
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig, TargetHead
+from dflash_pipeline.engine import DecodeRun, EndToEndPrompt, drafter_proposer, greedy_decode, speculative_decode, summarize_end_to_end
+from dflash_pipeline.evaluate import check_drafter_contract, select_checkpoints, val_prompts
+from dflash_pipeline.scoring import BlockScores, acceptance_length, comparison_verdict, ddtree_streak, ddtree_streaks, logits_into, paired_difference, per_slot_acceptance, score_one_block_at_a_time, score_teacher_forced, summarize_blocks
+from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+from dflash_pipeline.target import TargetHead
 from dflash_pipeline.shards import Sample
 
 LOG = math.log
@@ -234,7 +216,7 @@ def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
 def tiny_target(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.capture import LayerTap
+    from dflash_pipeline.target import LayerTap
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     tap = LayerTap(model, [1, 3])

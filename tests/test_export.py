@@ -12,8 +12,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.export import PROVENANCE_FILE, export_checkpoint, export_drafter, load_dflash_drafter
-from dflash_pipeline.model import DFlashDrafter, DraftCache, DrafterConfig, TargetHead, dflash_mask, draft_block
+from dflash_pipeline.export import export_checkpoint
+from dflash_pipeline.serving import PROVENANCE_FILE, export_drafter, load_dflash_drafter
+from dflash_pipeline.model import DraftCache, draft_block
+from dflash_pipeline.model import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline.target import TargetHead
 
 LAYER_WEIGHTS = [
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -130,7 +133,7 @@ def test_bf16_export_stores_bf16(tmp_path):
 
 
 def test_export_checkpoint_records_where_it_came_from(tmp_path):
-    from dflash_pipeline.train import save_checkpoint
+    from dflash_pipeline.checkpoints import save_checkpoint
 
     drafter = random_drafter(tiny_config())
     step_dir = save_checkpoint(tmp_path / "checkpoints", step=12, drafter=drafter,

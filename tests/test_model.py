@@ -3,7 +3,10 @@
 import pytest
 import torch
 
-from dflash_pipeline.model import DFlashDrafter, DraftCache, DrafterConfig, TargetHead, dflash_mask, draft_block, decay_weights, default_gamma
+from dflash_pipeline.blocks import decay_weights, default_gamma
+from dflash_pipeline.model import DraftCache, draft_block
+from dflash_pipeline.model import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline.target import TargetHead
 
 VOCAB = 97
 

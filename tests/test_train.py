@@ -14,21 +14,13 @@ from conftest import REPO_ROOT, run, start_then_kill_9, write_generated
 from dflash_pipeline.capture import run_capture
 from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.model import decay_weights
+from dflash_pipeline.blocks import decay_weights
 from dflash_pipeline.shards import Sample
 from dflash_pipeline.target import TargetInfo, prepare_target
-from dflash_pipeline.train import (
-    ChunkedHeadCrossEntropy,
-    build_batch,
-    choose_mask_token,
-    learning_rate,
-    list_checkpoints,
-    load_checkpoint,
-    load_target_head,
-    plan_steps,
-    run_train,
-    valid_anchors,
-)
+from dflash_pipeline.blocks import build_batch, valid_anchors
+from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
+from dflash_pipeline.target import load_target_head
+from dflash_pipeline.train import ChunkedHeadCrossEntropy, choose_mask_token, learning_rate, plan_steps, run_train
 
 # The first losses of the tiny end-to-end run below. A change in model, loss, batching,
 # initialisation or seeding moves them: update deliberately, never to make a test pass.
@@ -159,7 +151,7 @@ def test_a_kill_between_the_state_files_resumes_exactly(tiny_run, tmp_path, monk
     # A kill after state.pt of step 4 is in place but before state.json follows: the two files
     # disagree. Resuming must take step, optimizer and curve from one of them (state.pt), or the
     # step-2 weights would continue with step-4 optimizer moments (a flaky kill -9 test found it).
-    import dflash_pipeline.train as train_module
+    import dflash_pipeline.checkpoints as train_module
 
     config = replace(TINY_TRAIN, save_every=2)
     full = _train(tiny_run, tmp_path / "reference", config)
@@ -243,7 +235,7 @@ def test_contract_mismatches_are_one_line(tiny_run, tmp_path):
 
 
 def test_data_vocabulary_softmax_is_the_full_softmax_restricted_to_those_rows():
-    from dflash_pipeline.model import TargetHead
+    from dflash_pipeline.target import TargetHead
     from dflash_pipeline.train import TrainingVocabulary
 
     torch.manual_seed(5)

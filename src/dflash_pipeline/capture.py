@@ -4,9 +4,8 @@ Input: `data/generated/{train,val}.parquet` (exact token ids from `generate`) an
 Output per split: `shard-NNNNN.arrow` files and `manifest.json` (format in `shards.py`), plus
 `capture.json`, the settings and plan the shards were made with.
 
-Layer id i means the OUTPUT of decoder layer i, i.e. `output_hidden_states[i + 1]` in
-transformers (index 0 is the embedding output; the last entry is taken after the final norm, as
-transformers reports it). Forward hooks keep only the selected layers, never all L + 1 states.
+Layer id i means the OUTPUT of decoder layer i (`target.LayerTap`): forward hooks keep only the
+selected layers, never all L + 1 hidden states.
 
 The work is planned before it starts: sequences sorted by length, cut into shards of about
 `shard_mb`, each shard cut into batches of at most `batch_tokens` padded tokens. The plan alone
@@ -26,7 +25,7 @@ from pathlib import Path
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import reuse_or_reset, sha256_file
-from dflash_pipeline.generate import read_generated
+from dflash_pipeline.prompts import read_generated
 from dflash_pipeline.shards import (
     SHARD_GLOB,
     Manifest,
@@ -34,19 +33,9 @@ from dflash_pipeline.shards import (
     ShardWriter,
     bytes_per_token,
 )
-from dflash_pipeline.target import TargetInfo
+from dflash_pipeline.target import LayerTap, TargetInfo, build_target_layer_ids
 
 SPLITS = ("train", "val")
-
-
-def build_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
-    """DFlash's default taps: the middle layer for one; else evenly spaced over [1, L - 3]."""
-    if count < 1:
-        raise PipelineError(f"capture.num_layers must be >= 1, got {count}")
-    if count == 1:
-        return [num_target_layers // 2]
-    first, last = 1, num_target_layers - 3
-    return [int(round(first + index * (last - first) / (count - 1))) for index in range(count)]
 
 
 def resolve_layer_ids(config: CaptureConfig, num_target_layers: int) -> list[int]:
@@ -124,38 +113,6 @@ def plan_shards(sequences: list[Sequence], *, token_bytes: int, shard_bytes: int
     if shard:
         shards.append(shard)
     return shards
-
-
-class LayerTap:
-    """Forward hooks that keep the outputs of the selected decoder layers, nothing else."""
-
-    def __init__(self, model, layer_ids: list[int]):
-        decoder = model.get_decoder()
-        self.layer_ids = layer_ids
-        self.outputs: dict[int, object] = {}
-        self._handles = []
-        last = len(decoder.layers) - 1
-        for layer_id in layer_ids:
-            # transformers reports the last layer's output after the final norm; match that.
-            module = decoder.norm if layer_id == last else decoder.layers[layer_id]
-            self._handles.append(module.register_forward_hook(self._keeper(layer_id)))
-
-    def _keeper(self, layer_id: int):
-        def keep(module, args, output):
-            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
-
-        return keep
-
-    def features(self):
-        """[B, T, len(layer_ids) * H], in layer_ids order."""
-        import torch
-
-        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 def forward_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, logits_chunk: int = 2048):
@@ -257,7 +214,7 @@ def capture_split(
     barrier=None,
 ) -> Manifest | None:
     """Capture one split into `out_dir`; return its manifest (rank 0) or None (other ranks)."""
-    from tqdm import tqdm
+    from dflash_pipeline.progress import progress
 
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     width = len(layer_ids) * target.hidden_size
@@ -292,8 +249,7 @@ def capture_split(
         barrier()
     todo = [n for n in range(rank, len(plan), world) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]
     todo_tokens = sum(shard_tokens[n] for n in todo)
-    bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture {split}", disable=rank != 0 or not todo,
-               dynamic_ncols=True, smoothing=0.1)
+    bar = progress(total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture {split}", disable=rank != 0 or not todo)
     try:
         for number in todo:
             writer = ShardWriter(out_dir / _shard_name(number), feature_dtype=config.feature_dtype, feature_width=width)

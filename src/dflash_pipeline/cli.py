@@ -101,7 +101,7 @@ def target_info(path: Path):
 
 def generated_val(path: Path | None) -> Path | None:
     """The generate stage's val.parquet (given as the file or its folder), its schema checked."""
-    from dflash_pipeline.generate import read_generated
+    from dflash_pipeline.prompts import read_generated
 
     if path is None:
         return None
@@ -172,7 +172,8 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
           --target data/target/target.json --shards data/hidden/val \\
           --prompts data/generated/val.parquet --e2e-prompts 4 --out /tmp/eval-900
     """
-    from dflash_pipeline.evaluate import run_evaluate, summary_table, write_outputs
+    from dflash_pipeline.evaluate import run_evaluate
+    from dflash_pipeline.report import summary_table, write_outputs
 
     kinds = {folder: folder_kind(folder) for folder in drafters}
     for folder, kind in kinds.items():
@@ -284,7 +285,7 @@ def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
 
 
 def drafter_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.export import PROVENANCE_FILE, drafter_config_from_serving
+    from dflash_pipeline.serving import PROVENANCE_FILE, drafter_config_from_serving
     from dflash_pipeline.files import read_json
 
     config_path = folder / "config.json"
@@ -372,7 +373,8 @@ def export(checkpoint, out, dtype):
     """
     import torch
 
-    from dflash_pipeline.export import export_checkpoint, load_dflash_drafter
+    from dflash_pipeline.export import export_checkpoint
+    from dflash_pipeline.serving import load_dflash_drafter
 
     folder = export_checkpoint(checkpoint, out, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
     drafter, _ = load_dflash_drafter(folder)

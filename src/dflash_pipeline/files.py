@@ -1,6 +1,7 @@
 """Small file helpers every stage shares: atomic writes (a file appears whole or not at all) and
 content hashing. A killed stage leaves at most a `*.tmp` file behind, never a half-written output."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -60,3 +61,16 @@ def read_json(path: Path, *, missing: str):
         raise PipelineError(f"{path}: {missing}") from None
     except json.JSONDecodeError as exc:
         raise PipelineError(f"{path}: not valid JSON ({exc.msg})") from None
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path):
+    """Yield a temporary path beside `path`; on success it replaces `path` in one rename, on
+    failure it is removed. For writers that want a path (pandas, matplotlib, csv)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp" + path.suffix)  # keep the suffix: matplotlib picks the format by it
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -28,21 +28,8 @@ import pyarrow.parquet as pq
 from dflash_pipeline.config import GenerateConfig, as_dict
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import reuse_or_reset, write_json_atomic
-from dflash_pipeline.prompts import Prompt, PromptSet
+from dflash_pipeline.prompts import GENERATED_SCHEMA, Prompt, PromptSet
 from dflash_pipeline.target import TargetInfo
-
-GENERATED_SCHEMA = pa.schema(
-    [
-        ("prompt_id", pa.string()),
-        ("category", pa.string()),
-        ("split", pa.string()),
-        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("prompt_ids", pa.list_(pa.int32())),
-        ("answer_ids", pa.list_(pa.int32())),
-        ("finish_reason", pa.string()),  # "stop" (EOS generated) or "length" (max_new_tokens reached)
-    ]
-)
-
 
 @dataclass(frozen=True)
 class Answer:
@@ -177,9 +164,9 @@ class AnswerCache:
 
 
 def _progress_bar(total: int, done: int):
-    from tqdm import tqdm
+    from dflash_pipeline.progress import progress
 
-    return tqdm(total=total, initial=done, unit="prompt", desc="generate", dynamic_ncols=True, smoothing=0.1)
+    return progress(total=total, initial=done, unit="prompt", desc="generate")
 
 
 def run_generate(
@@ -290,16 +277,3 @@ def run_generate(
     }
     write_json_atomic(out_dir / "summary.json", summary)
     return summary
-
-
-def read_generated(path: Path) -> pa.Table:
-    """Read a train/val Parquet written by this stage, checking its schema."""
-    try:
-        table = pq.read_table(path)
-    except FileNotFoundError:
-        raise PipelineError(f"{path}: not found; run the `generate` stage first") from None
-    except Exception as exc:
-        raise PipelineError(f"{path}: not a readable Parquet file ({exc})") from None
-    if not table.schema.remove_metadata().equals(GENERATED_SCHEMA):
-        raise PipelineError(f"{path}: schema differs from the generate stage's ({table.schema.names})")
-    return table

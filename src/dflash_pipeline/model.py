@@ -1,6 +1,6 @@
 """The DFlash drafter: a few Qwen3-style layers that draft a whole block in one forward.
 
-References: DFlash (arXiv 2602.06036, z-lab/dflash), SpecForge's trainer; facts in DFLASH.md.
+References: DFlash (arXiv 2602.06036, z-lab/dflash), SpecForge's trainer.
 
     features [S, N*H] --fc--> hidden_norm --> context c [S, H]      (target layers' outputs)
     block ids [B] = [anchor, mask, ..., mask] --frozen embed--> x [B, H]
@@ -9,13 +9,12 @@ References: DFlash (arXiv 2602.06036, z-lab/dflash), SpecForge's trainer; facts 
                  block a..a+B-1), attention bidirectional inside the block, SwiGLU MLP
     norm(x) --frozen lm_head--> logits of slots 1..B-1
 
-The drafter owns no embedding and no LM head: `TargetHead` holds the target's two frozen
+The drafter owns no embedding and no LM head: `target.TargetHead` holds the target's two frozen
 tensors, read straight from its weight files. Training drafts every anchor block of a packed
-batch of sequences in one forward (`forward_blocks`, with the DFlash mask); inference keeps a
-KV cache of the context (`DraftCache`, `draft_block`).
+batch of sequences in one forward (`forward_blocks`, with the DFlash mask of `dflash_mask`, its
+sliding window included); inference keeps a KV cache of the context (`DraftCache`, `draft_block`).
 """
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -266,23 +265,6 @@ def dflash_mask(
     return torch.cat([visible_context, same_block], dim=1)
 
 
-class TargetHead(nn.Module):
-    """The target's frozen input embedding and LM head (the same tensor when tied)."""
-
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("embed_weight", embed_weight, persistent=False)
-        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_weight)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # One contiguous 2-D matmul: a strided 3-D input takes a batched path ~10x slower on CPU.
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head_weight.dtype).contiguous()
-        return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], -1)
-
-
 class DraftCache:
     """Per-layer context keys/values of one sequence for inference, extended as tokens commit.
 
@@ -316,9 +298,10 @@ class DraftCache:
 
 
 @torch.no_grad()
-def draft_block(drafter: DFlashDrafter, head: TargetHead, cache: DraftCache, anchor_token: int) -> torch.Tensor:
+def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
     """Logits [B-1, V] for the tokens after `anchor_token`, which sits at position cache.length.
 
+    `head` is the target's frozen embedding and LM head (`target.TargetHead`).
     The context is every position < cache.length (the anchor's own features are not known yet).
     """
     config = drafter.config
@@ -344,27 +327,3 @@ def draft_block(drafter: DFlashDrafter, head: TargetHead, cache: DraftCache, anc
 
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """exp(-(k-1)/gamma) for slots k = 1..B-1: early slots matter most, since a draft is only
-    accepted up to its first miss."""
-    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
-
-
-def default_gamma(block_size: int) -> float:
-    """DFlash's decay: 7 for B = 16, 4 for B = 8 (linear in between, a floor of 1)."""
-    return max(1.0, {16: 7.0, 8: 4.0}.get(block_size, 4.0 + (block_size - 8) * 3.0 / 8.0))
-
-
-def mean_ci95(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its normal-approximation 95% confidence interval."""
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    mean = sum(values) / n
-    if n == 1:
-        return mean, float("inf")
-    variance = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, 1.96 * math.sqrt(variance / n)

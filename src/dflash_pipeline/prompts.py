@@ -10,6 +10,9 @@ A trailing assistant turn is dropped: the target regenerates every answer itself
 Each prompt gets a stable id, the sha256 of its canonical messages, and goes to validation when
 that hash falls under `val_fraction`; adding prompts to a file therefore never moves old ones
 between splits. Bad rows stop the read with `file:line: reason`, or are skipped and counted.
+
+Also the table the `generate` stage writes from a prompt set (`GENERATED_SCHEMA`, `read_generated`):
+the exact prompt and answer token ids every later stage reads.
 """
 
 import hashlib
@@ -17,6 +20,9 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dflash_pipeline.errors import PipelineError
 
@@ -172,3 +178,32 @@ def read_prompts(path: Path | str, *, val_fraction: float, on_bad_row: str = "er
     if not result.prompts:
         raise PipelineError(f"{path}: no usable prompts")
     return result
+
+
+# ----------------------------------------------------------------------------- generated answers
+
+
+GENERATED_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("category", pa.string()),
+        ("split", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("answer_ids", pa.list_(pa.int32())),
+        ("finish_reason", pa.string()),  # "stop" (EOS generated) or "length" (max_new_tokens reached)
+    ]
+)
+
+
+def read_generated(path: Path) -> pa.Table:
+    """Read a train/val Parquet written by the `generate` stage, checking its schema."""
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise PipelineError(f"{path}: not found; run the `generate` stage first") from None
+    except Exception as exc:
+        raise PipelineError(f"{path}: not a readable Parquet file ({exc})") from None
+    if not table.schema.remove_metadata().equals(GENERATED_SCHEMA):
+        raise PipelineError(f"{path}: schema differs from the generate stage's ({table.schema.names})")
+    return table

@@ -10,6 +10,10 @@ Input: `TargetConfig.model`, one of
 Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
 weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
 different target makes them stale and nothing else does; large weights never enter the DVC cache.
+
+Also the target's pieces that other modules use: which layers feed the drafter (`build_target_layer_ids`)
+and the hooks that read them (`LayerTap`), the frozen embedding and LM head (`TargetHead`, read
+alone from the weight files), and the one reader of a model folder's safetensors files.
 """
 
 import hashlib
@@ -21,6 +25,8 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
@@ -286,3 +292,128 @@ def load_target(info: TargetInfo, *, device: str = "cpu"):
     model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
     model.to(device).eval()
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- weight files
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the shard index, else from every file's header.
+
+    The one place that knows how a Hugging Face folder lays out its safetensors weights; a missing
+    index shard or a folder without weights is one line naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, missing="unreadable").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise PipelineError(f"{index}: no weight_map")
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"{model_dir}: no safetensors weights")
+    names = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                names.update({name: file for name in handle.keys()})
+        except SafetensorError as exc:
+            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+    return names
+
+
+def read_target_tensors(model_dir: Path, suffixes: list[str]) -> dict:
+    """Only the named tensors (matched by name suffix), read from the target's weight files."""
+    from safetensors import safe_open
+
+    names = weight_files(model_dir)
+    found = {}
+    for suffix in suffixes:
+        matches = sorted(n for n in names if n == suffix or n.endswith("." + suffix))
+        if matches:
+            if not names[matches[0]].is_file():
+                raise PipelineError(f"{model_dir}/model.safetensors.index.json: names {names[matches[0]].name}, which does not exist")
+            with safe_open(names[matches[0]], framework="pt") as handle:
+                found[suffix] = handle.get_tensor(matches[0])
+    return found
+
+
+# ----------------------------------------------------------------------------- the frozen head
+
+
+class TargetHead(torch.nn.Module):
+    """The target's frozen input embedding and LM head (the same tensor when tied)."""
+
+    def __init__(self, embed_weight, lm_head_weight):
+        super().__init__()
+        self.register_buffer("embed_weight", embed_weight, persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight, persistent=False)
+
+    def embed(self, ids):
+        return torch.nn.functional.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden):
+        # One contiguous 2-D matmul: a strided 3-D input takes a batched path ~10x slower on CPU.
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.lm_head_weight.dtype).contiguous()
+        return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], -1)
+
+
+def load_target_head(target: TargetInfo, *, device: str, dtype) -> TargetHead:
+    """The frozen embedding and LM head, read alone from the weight files (never the whole target)."""
+    tensors = read_target_tensors(target.path, ["embed_tokens.weight", "lm_head.weight"])
+    if "embed_tokens.weight" not in tensors:
+        raise PipelineError(f"{target.path}: no '*embed_tokens.weight' tensor in the target's safetensors files")
+    embed = tensors["embed_tokens.weight"]
+    head = tensors.get("lm_head.weight", embed)  # tied embeddings store the head once
+    if embed.shape[0] != target.vocab_size:
+        raise PipelineError(f"{target.path}: embedding has {embed.shape[0]} rows, target.json says vocab {target.vocab_size}")
+    return TargetHead(embed.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype))
+
+
+# ----------------------------------------------------------------------------- layer taps
+
+
+def build_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """DFlash's default taps: the middle layer for one; else evenly spaced over [1, L - 3]."""
+    if count < 1:
+        raise PipelineError(f"capture.num_layers must be >= 1, got {count}")
+    if count == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    return [int(round(first + index * (last - first) / (count - 1))) for index in range(count)]
+
+
+class LayerTap:
+    """Forward hooks that keep the outputs of the selected decoder layers, nothing else.
+
+    Layer id i means the OUTPUT of decoder layer i, i.e. `output_hidden_states[i + 1]` in
+    transformers; the last layer's output is taken after the final norm, as transformers reports it.
+    """
+
+    def __init__(self, model, layer_ids: list[int]):
+        decoder = model.get_decoder()
+        self.layer_ids = layer_ids
+        self.outputs: dict[int, object] = {}
+        self._handles = []
+        last = len(decoder.layers) - 1
+        for layer_id in layer_ids:
+            module = decoder.norm if layer_id == last else decoder.layers[layer_id]
+            self._handles.append(module.register_forward_hook(self._keeper(layer_id)))
+
+    def _keeper(self, layer_id: int):
+        def keep(module, args, output):
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def features(self):
+        """[B, T, len(layer_ids) * H], in layer_ids order."""
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

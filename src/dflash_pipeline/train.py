@@ -1,91 +1,50 @@
 """Stage `train`: a DFlash drafter trained on the captured shards.
 
-Inputs: the train/val shard folders (`shards.py`), the target (only its embedding and LM head
-are read, from its weight files) and `TrainConfig`. Outputs: `step_NNNNNN/` checkpoints
-(`model.safetensors` + `checkpoint.json`), a resumable `state/` (optimizer, scheduler, RNG),
-`metrics.json` and the training curve.
+    run_train = setup_run (shards, drafter, head, optimizer, plan; resume or start fresh)
+              + a loop of train_step (one optimizer step), validation_tau every eval_every steps
+                and a checkpoint every save_every steps (`checkpoints`)
+
+Inputs: the train/val shard folders (`shards`), the target (only its embedding and LM head are
+read, from its weight files) and `TrainConfig`. Outputs in the checkpoints folder: `step_NNNNNN/`
+checkpoints and the resume state (`checkpoints` describes both); the stage script writes the
+metrics and curves (`report`).
 
 One step: a packed batch of sequences (about `tokens_per_step` context tokens), up to
-`anchors_per_sequence` anchors per sequence drawn afresh, every block drafted in one forward
-under the DFlash mask, decayed cross-entropy on slots 1..B-1 through a chunked LM head that never
-holds more than `logits_chunk` x vocab logits. What a step sees depends only on (seed, step),
-so a resumed run, or a torchrun run of any size, replays exactly the same batches.
+`anchors_per_sequence` anchors per sequence drawn afresh (`blocks`), every block drafted in one
+forward under the DFlash mask, decayed cross-entropy on slots 1..B-1 through a chunked LM head
+that never holds more than `logits_chunk` x vocab logits. What a step sees depends only on
+(seed, step), so a resumed run, or a torchrun run of any size, replays exactly the same batches.
 """
 
-import json
 import math
 import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from dflash_pipeline.blocks import Batch, build_batch, default_gamma, training_anchor_seed
+from dflash_pipeline.checkpoints import (
+    list_checkpoints,
+    load_checkpoint,
+    load_resume_state,
+    save_checkpoint,
+    save_resume_state,
+    step_folder,
+)
 from dflash_pipeline.config import TrainConfig, as_dict
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import write_json_atomic
-from dflash_pipeline.model import (
-    DFlashDrafter,
-    DrafterConfig,
-    TargetHead,
-    decay_weights,
-    default_gamma,
-    dflash_mask,
-    mean_ci95,
-)
-from dflash_pipeline.shards import ShardDataset
-from dflash_pipeline.target import TargetInfo
-
-CHECKPOINT_FORMAT_VERSION = 1
+from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+from dflash_pipeline.scoring import per_slot_acceptance, score_teacher_forced
+from dflash_pipeline.shards import ShardDataset, open_split
+from dflash_pipeline.stats import mean_ci95_over_prompts
+from dflash_pipeline.target import TargetHead, TargetInfo, load_target_head, read_target_tensors
 
 
 # ----------------------------------------------------------------------------- target pieces
-
-
-def _safetensors_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> file, from the shard index or the single safetensors file."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise PipelineError(f"{model_dir}: no safetensors weights (the drafter reads the target's embedding and LM head from them)")
-    names = {}
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            names.update({name: file for name in handle.keys()})
-    return names
-
-
-def read_target_tensors(model_dir: Path, suffixes: list[str]) -> dict[str, torch.Tensor]:
-    """Read only the named tensors (matched by name suffix) from the target's weight files."""
-    from safetensors import safe_open
-
-    names = _safetensors_files(model_dir)
-    found = {}
-    for suffix in suffixes:
-        matches = sorted(n for n in names if n == suffix or n.endswith("." + suffix))
-        if matches:
-            with safe_open(names[matches[0]], framework="pt") as handle:
-                found[suffix] = handle.get_tensor(matches[0])
-    return found
-
-
-def load_target_head(target: TargetInfo, *, device: str, dtype: torch.dtype) -> TargetHead:
-    """The frozen embedding and LM head, read alone from the weight files (never the whole target)."""
-    tensors = read_target_tensors(target.path, ["embed_tokens.weight", "lm_head.weight"])
-    if "embed_tokens.weight" not in tensors:
-        raise PipelineError(f"{target.path}: no '*embed_tokens.weight' tensor in the target's safetensors files")
-    embed = tensors["embed_tokens.weight"]
-    head = tensors.get("lm_head.weight", embed)  # tied embeddings store the head once
-    if embed.shape[0] != target.vocab_size:
-        raise PipelineError(f"{target.path}: embedding has {embed.shape[0]} rows, target.json says vocab {target.vocab_size}")
-    return TargetHead(embed.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype))
 
 
 def choose_mask_token(target: TargetInfo, used_ids: set[int]) -> tuple[int, str]:
@@ -156,80 +115,7 @@ def init_from_target_layers(drafter: DFlashDrafter, target: TargetInfo) -> list[
     return source_layers
 
 
-# ----------------------------------------------------------------------------- batches
-
-
-@dataclass
-class Batch:
-    features: list[torch.Tensor]  # per sequence [S_i, N*H]; together the packed context [C, N*H]
-    context_positions: torch.Tensor  # [C]
-    block_ids: torch.Tensor  # [Q] anchor token, then mask tokens, per block
-    block_positions: torch.Tensor  # [Q]
-    mask: torch.Tensor  # [Q, C + Q]
-    labels: torch.Tensor  # [blocks, B-1] token each drafted slot should produce
-    weights: torch.Tensor  # [blocks, B-1] decayed loss weight (0 where there is nothing to learn)
-    context_tokens: int
-
-
-def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Positions a with loss_mask[a] = loss_mask[a+1] = 1: the anchor is committed answer text and
-    there is at least one answer token after it to draft."""
-    mask = loss_mask.bool()
-    return torch.nonzero(mask[:-1] & mask[1:]).flatten()
-
-
-def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_token_id: int, gamma: float, anchor_seeds: list[int]) -> Batch:
-    """Pack sequences and their freshly drawn anchors into one DFlash forward's inputs.
-
-    Each sequence draws its anchors from its own seed, so a sequence gets the same anchors
-    whichever rank or batch it lands in."""
-    features, context_positions, context_sequence = [], [], []
-    block_ids, block_positions, block_sequence, block_anchor, block_index = [], [], [], [], []
-    labels, weights = [], []
-    decay = decay_weights(block_size, gamma)
-    offsets = torch.arange(block_size)
-    blocks = 0
-    for number, sample in enumerate(samples):
-        length = sample.input_ids.shape[0]
-        ids = sample.input_ids.long()
-        mask = sample.loss_mask.float()
-        features.append(sample.features)
-        context_positions.append(torch.arange(length))
-        context_sequence.append(torch.full((length,), number))
-        candidates = valid_anchors(sample.loss_mask)
-        if candidates.numel() == 0:
-            continue
-        take = min(anchors_per_sequence, candidates.numel())
-        generator = torch.Generator().manual_seed(anchor_seeds[number])
-        anchors = candidates[torch.randperm(candidates.numel(), generator=generator)[:take]].sort().values
-        for anchor in anchors.tolist():
-            slots = anchor + offsets
-            inside = slots < length
-            block = torch.full((block_size,), mask_token_id, dtype=torch.long)
-            block[0] = ids[anchor]
-            block_ids.append(block)
-            block_positions.append(slots)
-            block_sequence.append(torch.full((block_size,), number))
-            block_anchor.append(torch.full((block_size,), anchor))
-            block_index.append(torch.full((block_size,), blocks))
-            target_slots = slots[1:].clamp(max=length - 1)
-            labels.append(ids[target_slots])
-            weights.append(decay * mask[target_slots] * inside[1:].float())
-            blocks += 1
-    if blocks == 0:
-        raise PipelineError("train: no sequence in this batch has two answer tokens in a row to anchor a block")
-    context_sequence_t, context_positions_t = torch.cat(context_sequence), torch.cat(context_positions)
-    mask = dflash_mask(context_sequence_t, context_positions_t, torch.cat(block_sequence), torch.cat(block_anchor), torch.cat(block_index))
-    return Batch(
-        features=features,
-        context_positions=context_positions_t,
-        block_ids=torch.cat(block_ids),
-        block_positions=torch.cat(block_positions),
-        mask=mask,
-        labels=torch.stack(labels),
-        weights=torch.stack(weights),
-        context_tokens=int(context_positions_t.numel()),
-    )
+# ----------------------------------------------------------------------------- the loss
 
 
 class ChunkedHeadCrossEntropy(torch.autograd.Function):
@@ -315,65 +201,6 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits
     return total / denominator.clamp(min=1e-9), all_hits.view(batch.labels.shape), weight_sum
 
 
-# ----------------------------------------------------------------------------- metrics
-
-
-@torch.no_grad()
-def teacher_forced_tau(drafter: DFlashDrafter, head: TargetHead, batches: list[Batch], *, attention: str = "sdpa") -> dict:
-    """Held-out acceptance length with teacher forcing, on fixed validation blocks.
-
-    For each block anchored at a, the drafter sees the target's features of positions < a and
-    drafts slots 1..B-1; tau = 1 + the number of leading slots whose argmax equals the
-    target-greedy text. This is what speculative decoding would accept at T = 0 if the committed
-    prefix were the target's own, and it needs no target forward, so it is cheap enough to track
-    during training. Slots past the answer end count as misses.
-    """
-    drafter.eval()
-    taus, slot_hits, slot_counts = [], None, None
-    for batch in batches:
-        embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
-        hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
-                                        attention=attention)
-        block_size = drafter.config.block_size
-        hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:]
-        predictions = head.logits(hidden).argmax(-1)  # [blocks, B-1]
-        correct = (predictions.cpu() == batch.labels) & (batch.weights > 0)
-        accepted = correct.int().cumprod(dim=1).sum(dim=1)
-        taus += (1 + accepted).tolist()
-        valid = (batch.weights > 0).sum(0)
-        slot_hits = correct.sum(0) if slot_hits is None else slot_hits + correct.sum(0)
-        slot_counts = valid if slot_counts is None else slot_counts + valid
-    drafter.train()
-    mean, ci = mean_ci95([float(t) for t in taus])
-    accuracy = (slot_hits.float() / slot_counts.clamp(min=1).float()).tolist()
-    return {"tau": mean, "tau_ci95": ci, "blocks": len(taus), "slot_accuracy": accuracy}
-
-
-def fixed_validation_batches(dataset: ShardDataset, *, blocks: int, block_size: int, mask_token_id: int, gamma: float, seed: int,
-                             tokens_per_batch: int) -> list[Batch]:
-    """The same validation blocks at every evaluation: anchors spread over the val sequences."""
-    indices = list(range(len(dataset)))
-    random.Random(seed).shuffle(indices)
-    lengths = dataset.lengths()
-    total_anchors = sum(max(0, int(dataset[i].loss_mask.sum()) - 1) for i in indices)
-    per_sequence = max(1, math.ceil(blocks / max(1, len(indices)))) if total_anchors else 0
-    batches, pending, pending_tokens, drawn = [], [], 0, 0
-    for index in indices:
-        if drawn >= blocks:
-            break
-        pending.append(dataset[index])
-        pending_tokens += lengths[index]
-        drawn += min(per_sequence, max(0, int(pending[-1].loss_mask.sum()) - 1))
-        if pending_tokens >= tokens_per_batch:
-            batches.append(build_batch(pending, anchors_per_sequence=per_sequence, block_size=block_size,
-                                       mask_token_id=mask_token_id, gamma=gamma, anchor_seeds=[seed + 7919 + i for i in range(len(pending))]))
-            pending, pending_tokens = [], 0
-    if pending:
-        batches.append(build_batch(pending, anchors_per_sequence=per_sequence, block_size=block_size,
-                                   mask_token_id=mask_token_id, gamma=gamma, anchor_seeds=[seed + 7919 + i for i in range(len(pending))]))
-    return batches
-
-
 # ----------------------------------------------------------------------------- schedule and plan
 
 
@@ -408,80 +235,6 @@ def plan_steps(lengths: list[int], *, tokens_per_step: int, max_steps: int, seed
     return steps
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _git_revision() -> str | None:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def save_checkpoint(out_dir: Path, *, step: int, drafter: DFlashDrafter, record: dict, metrics: dict) -> Path:
-    """step_NNNNNN/{model.safetensors, checkpoint.json}, renamed into place when complete."""
-    from safetensors.torch import save_file
-
-    final = out_dir / f"step_{step:06d}"
-    tmp = out_dir / f"step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {name: tensor.detach().to("cpu").contiguous() for name, tensor in drafter.state_dict().items()}
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    info = {"format_version": CHECKPOINT_FORMAT_VERSION, "step": step, "drafter": drafter.config.to_dict(),
-            "git_revision": _git_revision(), "metrics": metrics, **record}
-    (tmp / "checkpoint.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
-
-
-def load_checkpoint(folder: Path, *, device: str = "cpu") -> tuple[DFlashDrafter, dict]:
-    """A drafter from a step folder: weights from safetensors (no pickle), config from its JSON."""
-    from safetensors.torch import load_file
-
-    try:
-        info = json.loads((Path(folder) / "checkpoint.json").read_text())
-    except FileNotFoundError:
-        raise PipelineError(f"{folder}: no checkpoint.json (not a checkpoint folder)") from None
-    if info.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-        raise PipelineError(f"{folder}/checkpoint.json: format_version {info.get('format_version')!r}, expected {CHECKPOINT_FORMAT_VERSION}")
-    drafter = DFlashDrafter(DrafterConfig.from_dict(info["drafter"]))
-    drafter.load_state_dict(load_file(Path(folder) / "model.safetensors", device="cpu"))
-    return drafter.to(device), info
-
-
-def list_checkpoints(out_dir: Path) -> list[Path]:
-    return sorted(p for p in Path(out_dir).glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / "checkpoint.json").is_file())
-
-
-def _save_state(out_dir: Path, *, step: int, optimizer, curve: list[dict], record: dict) -> None:
-    """Everything needed to continue exactly, in ONE file replaced atomically: step, optimizer
-    moments, RNG, curve so far and the run's settings. (Two files written one after the other
-    let a kill between them pair one step's optimizer with another step's weights.) state.json
-    repeats step, curve and settings for people and tools; resuming never reads it."""
-    state = {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(), "curve": curve, "record": record}
-    tmp = out_dir / "state.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, out_dir / "state.pt")
-    write_json_atomic(out_dir / "state.json", {"step": step, "curve": curve, **record})
-
-
-def _resume_point(out_dir: Path, record: dict) -> dict | None:
-    """The saved state (state.pt) when it belongs to this exact run configuration, else None."""
-    try:
-        state = torch.load(out_dir / "state.pt", weights_only=True)
-    except FileNotFoundError:
-        return None
-    except Exception:  # not loadable as plain tensors and containers (another program's file): start fresh
-        return None
-    if state.get("record") != record or not (out_dir / f"step_{state['step']:06d}").is_dir():
-        return None
-    return state
-
-
 # ----------------------------------------------------------------------------- the stage
 
 
@@ -513,21 +266,39 @@ def _all_reduce(tensor: torch.Tensor, world: int) -> torch.Tensor:
     return tensor
 
 
-def run_train(
-    config: TrainConfig,
-    *,
-    target: TargetInfo,
-    train_dir: Path,
-    val_dir: Path,
-    out_dir: Path,
-    device: str,
-    log=print,
-) -> dict:
-    """Train (or resume) a drafter; return the final metrics. Rank 0 writes every file."""
-    import torch.distributed as dist
-    from tqdm import tqdm
+@dataclass
+class TrainingRun:
+    """Everything a training step needs, set up once by `setup_run`."""
 
-    from dflash_pipeline.shards import open_split
+    config: TrainConfig
+    drafter: DFlashDrafter
+    head: TargetHead
+    vocabulary: "TrainingVocabulary"
+    optimizer: torch.optim.Optimizer
+    train_set: ShardDataset
+    val_set: ShardDataset
+    plan: list[list[int]]  # sequence indices of every step
+    mask_token_id: int
+    gamma: float
+    record: dict  # what makes two runs the same run (resume only continues an equal record)
+    device: str
+    attention: str
+    world: int = 1
+    rank: int = 0
+    start_step: int = 0
+    last_saved: int = 0  # the newest checkpoint's step
+    curve: list = field(default_factory=list)
+    recent_losses: list = field(default_factory=list)  # the last LOSS_WINDOW losses (the reported loss is their mean)
+    tokens_seen: int = 0  # context tokens of every step so far, over all ranks, resumed runs included
+    seconds: float = 0.0  # training time so far, resumed runs included
+
+
+LOSS_WINDOW = 20
+
+
+def _init_distributed(device: str) -> tuple[str, int, int]:
+    """(device, world, rank); joins the torchrun process group when there is one."""
+    import torch.distributed as dist
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1 and not dist.is_initialized():
@@ -535,19 +306,43 @@ def run_train(
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return device, world, rank
+
+
+def _open_shards(target: TargetInfo, train_dir: Path, val_dir: Path) -> tuple[ShardDataset, ShardDataset]:
+    train_set = open_split(train_dir, expected_fingerprint=target.fingerprint)
+    val_set = open_split(val_dir, expected_fingerprint=target.fingerprint)
+    check_contract(train_set.manifest, target=target, source=str(train_dir / "manifest.json"))
+    check_contract(val_set.manifest, target=target, source=str(val_dir / "manifest.json"))
+    if val_set.manifest.layer_ids != train_set.manifest.layer_ids:
+        raise PipelineError(f"{val_dir / 'manifest.json'}: layer_ids {val_set.manifest.layer_ids} differ from train's "
+                            f"{train_set.manifest.layer_ids}")
+    return train_set, val_set
+
+
+def _new_drafter(config: TrainConfig, target: TargetInfo, drafter_config: DrafterConfig) -> tuple[DFlashDrafter, str]:
+    drafter = DFlashDrafter(drafter_config)
+    if config.init != "target_top_layers":
+        return drafter, "random"
+    note = f"target layers {init_from_target_layers(drafter, target)} and final norm"
+    # The frozen head reads what the target's final norm produces; start the drafter's there.
+    final_norm = read_target_tensors(target.path, ["norm.weight"]).get("norm.weight")
+    if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.data.copy_(final_norm.float())
+    return drafter, note
+
+
+def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
+              log=print) -> TrainingRun:
+    """Shards, drafter, frozen head, optimizer and step plan; resumed from `out_dir` when it holds
+    a checkpoint of this exact run configuration, else `out_dir` is cleared of other runs' ones."""
+    device, world, rank = _init_distributed(device)
     on_gpu = device.startswith("cuda")
-    attention = config.attention if config.attention != "auto" else ("flex" if on_gpu else "sdpa")
     torch.manual_seed(config.seed)
     if not on_gpu:
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-    train_set = open_split(train_dir, expected_fingerprint=target.fingerprint)
-    val_set = open_split(val_dir, expected_fingerprint=target.fingerprint)
+    train_set, val_set = _open_shards(target, train_dir, val_dir)
     manifest = train_set.manifest
-    check_contract(manifest, target=target, source=str(train_dir / "manifest.json"))
-    check_contract(val_set.manifest, target=target, source=str(val_dir / "manifest.json"))
-    if val_set.manifest.layer_ids != manifest.layer_ids:
-        raise PipelineError(f"{val_dir / 'manifest.json'}: layer_ids {val_set.manifest.layer_ids} differ from train's {manifest.layer_ids}")
 
     if config.mask_token_id is not None:
         mask_token_id, mask_reason = config.mask_token_id, "set in params (train.mask_token_id)"
@@ -559,15 +354,7 @@ def run_train(
     drafter_config = drafter_config_for(target, config, layer_ids=manifest.layer_ids, mask_token_id=mask_token_id,
                                         extra={"mask_token": mask_reason, "gamma": gamma})
     check_contract(manifest, target=target, drafter_config=drafter_config, source=str(train_dir / "manifest.json"))
-
-    drafter = DFlashDrafter(drafter_config)
-    init_note = "random"
-    if config.init == "target_top_layers":
-        init_note = f"target layers {init_from_target_layers(drafter, target)} and final norm"
-        # The frozen head reads what the target's final norm produces; start the drafter's there.
-        final_norm = read_target_tensors(target.path, ["norm.weight"]).get("norm.weight")
-        if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
-            drafter.norm.weight.data.copy_(final_norm.float())
+    drafter, init_note = _new_drafter(config, target, drafter_config)
     drafter.to(device).train()
     head = load_target_head(target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     if config.train_vocab == "data":
@@ -575,23 +362,45 @@ def run_train(
         vocabulary = TrainingVocabulary.from_tokens(head, answer_tokens)
     else:
         vocabulary = TrainingVocabulary.full(head)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    run = TrainingRun(
+        config=config, drafter=drafter, head=head, vocabulary=vocabulary,
+        optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)),
+        train_set=train_set, val_set=val_set,
+        plan=plan_steps(train_set.lengths(), tokens_per_step=config.tokens_per_step, max_steps=config.max_steps, seed=config.seed),
+        mask_token_id=mask_token_id, gamma=gamma, device=device, world=world, rank=rank,
+        attention=config.attention if config.attention != "auto" else ("flex" if on_gpu else "sdpa"),
+        record={"train_config": as_dict(config), "target_fingerprint": target.fingerprint,
+                "shards": {"train": manifest.tokens, "val": val_set.manifest.tokens, "layer_ids": manifest.layer_ids,
+                           "feature_dtype": manifest.feature_dtype}},
+    )
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    _resume_or_start_fresh(run, Path(out_dir), log=log)
+    if rank == 0:
+        log(f"train: drafter {config.num_layers} layer(s), {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params "
+            f"(init {init_note}); block {config.block_size}, gamma {gamma}; softmax over {vocabulary.head_rows.shape[0]} tokens; "
+            f"mask token {mask_token_id} ({mask_reason}); {len(train_set)} train sequences / {manifest.tokens:,} tokens; "
+            f"{config.max_steps} steps on {device} x{world}, {run.attention} attention")
+    return run
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"train_config": as_dict(config), "target_fingerprint": target.fingerprint,
-              "shards": {"train": manifest.tokens, "val": val_set.manifest.tokens, "layer_ids": manifest.layer_ids,
-                         "feature_dtype": manifest.feature_dtype}}
-    start_step, curve = 0, []
-    resume = _resume_point(out_dir, record) if config.resume else None
-    if resume is not None:
-        drafter_state, _ = load_checkpoint(out_dir / f"step_{resume['step']:06d}")
-        drafter.load_state_dict(drafter_state.state_dict())
-        optimizer.load_state_dict(resume["optimizer"])
-        torch.set_rng_state(resume["torch_rng"])
-        start_step, curve = resume["step"], resume["curve"]
-        if rank == 0:
-            log(f"train: resuming at step {start_step} from {out_dir / f'step_{start_step:06d}'}")
-    elif rank == 0:
+
+def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
+    """Continue from the saved state of this run configuration, or remove other runs' checkpoints."""
+    import torch.distributed as dist
+
+    state = load_resume_state(out_dir, run.record) if run.config.resume else None
+    if state is not None:
+        drafter_state, _ = load_checkpoint(step_folder(out_dir, state["step"]))
+        run.drafter.load_state_dict(drafter_state.state_dict())
+        run.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        run.start_step, run.curve = state["step"], state["curve"]
+        run.last_saved = run.start_step
+        # The reported loss is a moving mean: rebuild its window, not just the steps after the resume.
+        run.recent_losses = list(state.get("recent_losses") or [row["loss"] for row in run.curve[-LOSS_WINDOW:]])
+        run.tokens_seen, run.seconds = int(state.get("tokens_seen", 0)), float(state.get("seconds", 0.0))
+        if run.rank == 0:
+            log(f"train: resuming at step {run.start_step} from {step_folder(out_dir, run.start_step)}")
+    elif run.rank == 0:
         stale = list_checkpoints(out_dir)
         if stale:
             log(f"train: starting fresh; removing {len(stale)} checkpoint(s) of a different run configuration")
@@ -599,109 +408,145 @@ def run_train(
             shutil.rmtree(folder)
         for name in ("state.pt", "state.json"):
             (out_dir / name).unlink(missing_ok=True)
-    if world > 1:
+    if run.world > 1:
         dist.barrier()
 
-    lengths = train_set.lengths()
-    plan = plan_steps(lengths, tokens_per_step=config.tokens_per_step, max_steps=config.max_steps, seed=config.seed)
-    val_batches = fixed_validation_batches(val_set, blocks=config.eval_blocks, block_size=config.block_size,
-                                           mask_token_id=mask_token_id, gamma=gamma, seed=config.seed,
-                                           tokens_per_batch=config.tokens_per_step) if rank == 0 else []
-    if rank == 0:
-        log(f"train: drafter {config.num_layers} layer(s), {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params "
-            f"(init {init_note}); block {config.block_size}, gamma {gamma}; softmax over {vocabulary.head_rows.shape[0]} tokens; mask token {mask_token_id} ({mask_reason}); "
-            f"{len(train_set)} train sequences / {manifest.tokens:,} tokens; {config.max_steps} steps on {device} x{world}, {attention} attention")
 
-    def evaluate(step: int) -> dict:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-            result = teacher_forced_tau(drafter, head, [_to(b, device) for b in val_batches], attention=attention)
-        return result
+def train_step(run: TrainingRun, step: int) -> dict:
+    """One optimizer step (0-based `step`) on this rank's share of the step's sequences; returns
+    the step's curve row (loss summed over ranks, lr, grad norm, slot-1 accuracy, context tokens)."""
+    import torch.distributed as dist
 
-    bar = tqdm(total=config.max_steps, initial=start_step, desc="train", unit="step", disable=rank != 0, dynamic_ncols=True)
-    started, tokens_seen, recent = time.perf_counter(), 0, []
-    metrics: dict = {}
-    last_saved = start_step
+    config, world, device = run.config, run.world, run.device
+    lr = learning_rate(step, max_steps=config.max_steps, base_lr=config.lr, warmup_fraction=config.warmup_fraction)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    indices = run.plan[step]
+    mine = list(range(run.rank, len(indices), world))
+    batch = build_batch([run.train_set[indices[i]] for i in mine], anchors_per_sequence=config.anchors_per_sequence,
+                        block_size=config.block_size, mask_token_id=run.mask_token_id, gamma=run.gamma,
+                        anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
+                        sliding_window=run.drafter.config.sliding_window).to(device)
+    weight_total = _all_reduce(batch.weights.sum().to(device), world)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+        loss, hits, _ = block_loss(run.drafter, run.head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
+                                   attention=run.attention, vocabulary=run.vocabulary)
+    hits = hits.cpu()
+    loss_value = _all_reduce(loss.detach().clone(), world)
+    if not torch.isfinite(loss_value):
+        raise NonFiniteLoss(f"train: loss is {loss_value.item()} at step {step}")
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if world > 1:
+        for parameter in run.drafter.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), config.grad_clip)
+    run.optimizer.step()
+    tokens = int(_all_reduce(torch.tensor(float(batch.context_tokens), device=device), world).item())
+    return {"step": step + 1, "loss": round(loss_value.item(), 6), "lr": lr, "grad_norm": round(float(grad_norm), 4),
+            "slot1_acc": round(float(hits[:, 0][batch.exists[:, 0]].float().mean()), 4) if hits.numel() else None,
+            "loss_value": loss_value.item(), "context_tokens": tokens, "trained_positions": int(batch.exists.sum())}
+
+
+class NonFiniteLoss(PipelineError):
+    """The loss became NaN or infinite; the step was not applied."""
+
+
+def validation_tau(run: TrainingRun) -> dict:
+    """Held-out teacher-forced τ with evaluate's own scorer (`scoring.score_teacher_forced`): the
+    same anchors seed rule, the same 95% interval over prompts. About `eval_blocks` blocks: an
+    equal number of anchors from every val sequence."""
+    config = run.config
+    per_sequence = max(1, math.ceil(config.eval_blocks / max(1, len(run.val_set))))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.startswith("cuda")):
+        scores = score_teacher_forced(run.drafter, run.head, run.val_set, anchors_per_sequence=per_sequence,
+                                      tokens_per_batch=config.tokens_per_step, tree_budgets=[], seed=config.seed,
+                                      attention=run.attention)
+    run.drafter.train()
+    tau, ci = mean_ci95_over_prompts(scores.tau, scores.sequence)
+    unconditional, _ = per_slot_acceptance(scores)
+    return {"tau": tau, "tau_ci95": ci, "blocks": int(scores.tau.shape[0]), "slot_accuracy": unconditional}
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 6) if values else None
+
+
+def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
+              log=print) -> dict:
+    """Train (or resume) a drafter; return the final metrics and curve. Rank 0 writes every file.
+
+    A run that finds itself already finished (resumed at its last step) reports the metrics of
+    its saved state, not an empty loop's.
+    """
+    import torch.distributed as dist
+
+    from dflash_pipeline.progress import progress
+
+    run = setup_run(config, target=target, train_dir=train_dir, val_dir=val_dir, out_dir=out_dir, device=device, log=log)
+    rank, world = run.rank, run.world
+    bar = progress(total=config.max_steps, initial=run.start_step, desc="train", unit="step", disable=rank != 0)
+    started, seconds_before = time.perf_counter(), run.seconds
     try:
-        for step in range(start_step, config.max_steps):
-            lr = learning_rate(step, max_steps=config.max_steps, base_lr=config.lr, warmup_fraction=config.warmup_fraction)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            indices = plan[step]
-            seeds = [config.seed * 1_000_003 + step * 10_007 + position for position in range(len(indices))]
-            mine = list(range(rank, len(indices), world))
-            batch = build_batch([train_set[indices[i]] for i in mine], anchors_per_sequence=config.anchors_per_sequence,
-                                block_size=config.block_size, mask_token_id=mask_token_id, gamma=gamma,
-                                anchor_seeds=[seeds[i] for i in mine])
-            batch = _to(batch, device)
-            weight_total = _all_reduce(batch.weights.sum().to(device), world)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu):
-                loss, hits, _ = block_loss(drafter, head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
-                                           attention=attention, vocabulary=vocabulary)
-            hits = hits.cpu()
-            loss_value = _all_reduce(loss.detach().clone(), world)
-            if not torch.isfinite(loss_value):
-                raise PipelineError(
-                    f"train: loss is {loss_value.item()} at step {step}; stopped, last good checkpoint "
-                    f"{list_checkpoints(out_dir)[-1].name if list_checkpoints(out_dir) else '(none)'} kept"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if world > 1:
-                for parameter in drafter.parameters():
-                    if parameter.grad is not None:
-                        dist.all_reduce(parameter.grad)
-            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), config.grad_clip)
-            optimizer.step()
-            tokens_seen += int(_all_reduce(torch.tensor(float(batch.context_tokens), device=device), world).item())
-            row = {"step": step + 1, "loss": round(loss_value.item(), 6), "lr": lr, "grad_norm": round(float(grad_norm), 4),
-                   "seconds": round(time.perf_counter() - started, 2),
-                   "slot1_acc": round(float(hits[:, 0][batch.weights[:, 0] > 0].float().mean()), 4) if hits.numel() else None}
-            recent = (recent + [loss_value.item()])[-20:]
+        for step in range(run.start_step, config.max_steps):
+            try:
+                row = train_step(run, step)
+            except NonFiniteLoss as exc:
+                kept = list_checkpoints(out_dir)
+                raise PipelineError(f"{exc}; stopped, last good checkpoint {kept[-1].name if kept else '(none)'} kept") from None
+            run.tokens_seen += row.pop("context_tokens")
+            row.pop("trained_positions")
+            run.recent_losses = (run.recent_losses + [row.pop("loss_value")])[-LOSS_WINDOW:]
+            run.seconds = seconds_before + time.perf_counter() - started
+            row["seconds"] = round(run.seconds, 2)
             if rank == 0 and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
-                result = evaluate(step + 1)
+                result = validation_tau(run)
                 row.update(tau=round(result["tau"], 4), tau_ci95=round(result["tau_ci95"], 4),
                            slot_accuracy=[round(a, 4) for a in result["slot_accuracy"]])
             if rank == 0:
-                curve.append(row)
-            elapsed = time.perf_counter() - started
-            bar.set_postfix_str(f"loss {sum(recent) / len(recent):.3f} {tokens_seen / elapsed:.0f} tok/s"
-                                + (f" tau {curve[-1]['tau']:.3f}" if rank == 0 and "tau" in curve[-1] else ""), refresh=False)
+                run.curve.append(row)
+            bar.set_postfix_str(f"loss {sum(run.recent_losses) / len(run.recent_losses):.3f} "
+                                f"{run.tokens_seen / max(run.seconds, 1e-9):.0f} tok/s"
+                                + (f" tau {row['tau']:.3f}" if "tau" in row else ""), refresh=False)
             bar.update(1)
             if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
                 if rank == 0:
-                    latest_tau = next((r for r in reversed(curve) if "tau" in r), {})
-                    metrics = {"step": step + 1, "loss": round(sum(recent) / len(recent), 6),
-                               "tau_tf": latest_tau.get("tau"), "tau_tf_ci95": latest_tau.get("tau_ci95")}
-                    save_checkpoint(out_dir, step=step + 1, drafter=drafter, record=record, metrics=metrics)
-                    _save_state(out_dir, step=step + 1, optimizer=optimizer, curve=curve, record=record)
-                    last_saved = step + 1
+                    _save(run, out_dir, step + 1)
                 if world > 1:
                     dist.barrier()
     finally:
         bar.close()
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    elapsed = time.perf_counter() - started
-    final = next((r for r in reversed(curve) if "tau" in r), {})
+    return _final_metrics(run)
+
+
+def _latest_tau(curve: list[dict]) -> dict:
+    return next((row for row in reversed(curve) if "tau" in row), {})
+
+
+def _save(run: TrainingRun, out_dir: Path, step: int) -> None:
+    latest = _latest_tau(run.curve)
+    metrics = {"step": step, "loss": _mean(run.recent_losses), "tau_tf": latest.get("tau"), "tau_tf_ci95": latest.get("tau_ci95")}
+    save_checkpoint(out_dir, step=step, drafter=run.drafter, record=run.record, metrics=metrics)
+    run.last_saved = step
+    save_resume_state(out_dir, step=step, optimizer=run.optimizer, curve=run.curve, record=run.record,
+                      extra={"recent_losses": run.recent_losses, "tokens_seen": run.tokens_seen, "seconds": run.seconds})
+
+
+def _final_metrics(run: TrainingRun) -> dict:
+    final = _latest_tau(run.curve)
     return {
-        "steps": config.max_steps,
-        "resumed_from": start_step,
-        "last_checkpoint": last_saved,
-        "loss": round(sum(recent) / len(recent), 6) if recent else None,
+        "steps": run.config.max_steps,
+        "resumed_from": run.start_step,
+        "last_checkpoint": run.last_saved,
+        "loss": _mean(run.recent_losses),
         "tau_tf": final.get("tau"),
         "tau_tf_ci95": final.get("tau_ci95"),
         "slot_accuracy": final.get("slot_accuracy"),
-        "tokens_per_s": round(tokens_seen / elapsed, 1) if elapsed > 0 and tokens_seen else None,
-        "seconds": round(elapsed, 1),
-        "curve": curve,
-        "mask_token_id": mask_token_id,
+        "tokens_per_s": round(run.tokens_seen / run.seconds, 1) if run.seconds > 0 and run.tokens_seen else None,
+        "seconds": round(run.seconds, 1),
+        "curve": run.curve,
+        "mask_token_id": run.mask_token_id,
     }
-
-
-def _to(batch: Batch, device: str) -> Batch:
-    if device == "cpu":
-        return batch
-    moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in ("labels", "weights") else v)
-             for k, v in batch.__dict__.items()}
-    moved["features"] = [piece.to(device, non_blocking=True) for piece in batch.features]
-    return Batch(**moved)

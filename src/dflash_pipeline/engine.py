@@ -1,0 +1,240 @@
+"""The decoding engine: plain greedy and lossless speculative decoding with the real target.
+
+    greedy_decode       the target alone, with its KV cache: the reference output and timing
+    speculative_decode  draft B-1 tokens, verify them in one target forward, commit the matching
+                        prefix and the target's bonus token; the output equals greedy decoding
+    end_to_end          both on the same prompts, alternating which goes first, and
+    summarize_end_to_end lossless rate, τ per step, speedup, time split and break-even τ
+
+At T = 0 speculative decoding is lossless by construction; `summarize_end_to_end` checks it token
+for token against `greedy_decode` rather than trusting it.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block
+from dflash_pipeline.progress import progress_iter
+from dflash_pipeline.stats import mean_ci95
+from dflash_pipeline.target import TargetHead
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _crop(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers KV cache."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+@dataclass
+class DecodeRun:
+    tokens: list[int]
+    seconds: float
+    prefill_seconds: float
+    steps: list[int] = field(default_factory=list)  # tau of each speculative step (accepted + bonus)
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
+
+
+@torch.inference_mode()
+def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int]) -> DecodeRun:
+    """Plain greedy decoding of one prompt with a KV cache: the reference output and timing."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    _sync(device)
+    started = time.perf_counter()
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    token = int(out.logits[0, -1].argmax())
+    _sync(device)
+    prefilled = time.perf_counter()
+    tokens, position = [token], len(prompt_ids)
+    while token not in eos_ids and len(tokens) < max_new_tokens:
+        out = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[position]], device=device),
+                    cache=cache, use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        position += 1
+    _sync(device)
+    return DecodeRun(tokens=tokens, seconds=time.perf_counter() - started, prefill_seconds=prefilled - started)
+
+
+def as_stored(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
+    """Live target features rounded exactly as the shards store them, so the drafter sees at
+    inference what it saw in training."""
+    from dflash_pipeline.shards import decode_features, encode_features
+
+    values, scales = encode_features(features, feature_dtype)
+    return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
+
+
+def drafter_proposer(drafter: DFlashDrafter, head: TargetHead):
+    """The proposal function of a drafter: B-1 greedy tokens after the anchor."""
+
+    def propose(cache: DraftCache, anchor: int) -> list[int]:
+        return draft_block(drafter, head, cache, anchor).argmax(-1).tolist()
+
+    return propose
+
+
+@torch.inference_mode()
+def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
+                       feature_dtype: str = "bf16") -> DecodeRun:
+    """Lossless speculative decoding of one prompt at T = 0.
+
+    Loop: the drafter proposes B-1 tokens after the anchor (the last committed token); the target
+    verifies [anchor, proposal] in one forward; the matching prefix plus the target's own next
+    token (the bonus) are committed; the target KV cache is cropped to the committed length and
+    the drafter's context cache is extended with the committed positions' features only.
+    `tap` is the capture stage's LayerTap on `model`, so features come from the same layers as
+    the shards. `propose(cache, anchor) -> list[int]` is the drafter (replaceable in tests).
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    block_size = drafter.config.block_size
+    cache, draft_cache = DynamicCache(config=model.config), DraftCache(drafter)
+    _sync(device)
+    started = time.perf_counter()
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    anchor = int(out.logits[0, -1].argmax())
+    draft_cache.extend(as_stored(tap.features()[0], feature_dtype).to(drafter.fc.weight.device))
+    _sync(device)
+    run = DecodeRun(tokens=[anchor], seconds=0.0, prefill_seconds=time.perf_counter() - started)
+    position = len(prompt_ids)  # where the anchor sits
+    finished = anchor in eos_ids or len(run.tokens) >= max_new_tokens
+    while not finished:
+        began = time.perf_counter()
+        proposal = propose(draft_cache, anchor)
+        _sync(device)
+        drafted = time.perf_counter()
+        out = model(input_ids=torch.tensor([[anchor] + proposal], device=device),
+                    position_ids=torch.arange(position, position + block_size, device=device)[None], cache=cache, use_cache=True)
+        choice = out.logits[0].argmax(-1).tolist()  # the target's token after each block position
+        accepted = 0
+        while accepted < block_size - 1 and proposal[accepted] == choice[accepted]:
+            accepted += 1
+        _crop(cache, position + accepted + 1)
+        _sync(device)
+        verified = time.perf_counter()
+        draft_cache.extend(as_stored(tap.features()[0, : accepted + 1], feature_dtype).to(drafter.fc.weight.device))
+        _sync(device)
+        extended = time.perf_counter()
+        committed = proposal[:accepted] + [choice[accepted]]
+        for token in committed:
+            run.tokens.append(token)
+            # An EOS accepted inside the block ends the answer even though the block goes on.
+            if token in eos_ids or len(run.tokens) >= max_new_tokens:
+                finished = True
+                break
+        run.steps.append(accepted + 1)
+        position += accepted + 1
+        anchor = committed[-1]
+        run.verify_seconds += verified - drafted
+        run.draft_seconds += (drafted - began) + (extended - verified)  # proposing + extending the context cache
+    _sync(device)
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for position, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return position
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class EndToEndPrompt:
+    prompt_id: str
+    plain: DecodeRun
+    speculative: dict[str, DecodeRun]  # candidate name -> run
+
+
+def end_to_end(model, tap, candidates: list[tuple[str, DFlashDrafter, object]], prompts: list[tuple[str, list[int]]], *, max_new_tokens: int,
+               eos_ids: set[int], feature_dtype: str, progress: bool = False) -> list[EndToEndPrompt]:
+    """Plain greedy and speculative decoding of each prompt, alternating which goes first so
+    drift in machine speed (turbo, other load) falls on both sides alike."""
+    if prompts:  # warm-up: first-call allocations and kernel selection are not part of either side
+        greedy_decode(model, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids)
+        for _, drafter, propose in candidates:
+            speculative_decode(model, tap, drafter, propose, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids, feature_dtype=feature_dtype)
+    results = []
+    for number, (prompt_id, prompt_ids) in enumerate(progress_iter(prompts, desc="end-to-end", unit="prompt", disable=not progress)):
+        runs: dict[str, DecodeRun] = {}
+
+        def plain():
+            runs["__plain__"] = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+
+        def speculative():
+            for name, drafter, propose in candidates:
+                runs[name] = speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=max_new_tokens,
+                                                eos_ids=eos_ids, feature_dtype=feature_dtype)
+
+        for part in ((plain, speculative) if number % 2 == 0 else (speculative, plain)):
+            part()
+        plain_run = runs.pop("__plain__")
+        results.append(EndToEndPrompt(prompt_id=prompt_id, plain=plain_run, speculative=runs))
+    return results
+
+
+def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
+    """Lossless rate, tau per step, tokens/s, speedup, time split and break-even tau of one drafter.
+
+    Break-even tau = (cost of one speculative step) / (cost of one plain decode step), both
+    measured here: a drafter whose tau is below it makes decoding slower on this machine.
+    """
+    mismatches = []
+    per_prompt_tau, plain_tokens, plain_seconds, spec_tokens, spec_seconds = [], 0, 0.0, 0, 0.0
+    plain_decode_seconds, plain_decode_tokens = 0.0, 0
+    steps = verify = draft = overhead = prefill = 0.0
+    for result in results:
+        run, plain = result.speculative[name], result.plain
+        difference = first_difference(run.tokens, plain.tokens)
+        if difference is not None:
+            mismatches.append(f"{result.prompt_id} at answer token {difference}")
+        per_prompt_tau.append(float(np.mean(run.steps)) if run.steps else 1.0)
+        plain_tokens += len(plain.tokens)
+        plain_seconds += plain.seconds
+        plain_decode_seconds += plain.seconds - plain.prefill_seconds
+        plain_decode_tokens += len(plain.tokens) - 1
+        spec_tokens += len(run.tokens)
+        spec_seconds += run.seconds
+        steps += len(run.steps)
+        verify += run.verify_seconds
+        draft += run.draft_seconds
+        prefill += run.prefill_seconds
+        overhead += run.seconds - run.prefill_seconds - run.verify_seconds - run.draft_seconds
+    tau, ci = mean_ci95(per_prompt_tau)
+    decode_step = plain_decode_seconds / max(1, plain_decode_tokens)
+    per_step = (verify + draft + overhead) / max(1.0, steps)
+    plain_rate, spec_rate = plain_tokens / max(plain_seconds, 1e-9), spec_tokens / max(spec_seconds, 1e-9)
+    return {
+        "e2e_prompts": len(results),
+        "lossless_rate": round(1.0 - len(mismatches) / max(1, len(results)), 4),
+        "mismatches": mismatches,
+        "e2e_tau": round(tau, 4),
+        "e2e_tau_ci95": round(ci, 4),
+        "plain_tokens_per_s": round(plain_rate, 2),
+        "spec_tokens_per_s": round(spec_rate, 2),
+        "speedup": round(spec_rate / plain_rate, 4) if plain_rate > 0 else None,
+        "decode_step_ms": round(1000 * decode_step, 3),
+        "verify_cost_steps": round(verify / max(1.0, steps) / decode_step, 3) if decode_step > 0 else None,
+        "draft_cost_steps": round(draft / max(1.0, steps) / decode_step, 3) if decode_step > 0 else None,
+        "break_even_tau": round(per_step / decode_step, 3) if decode_step > 0 else None,
+        "time_prefill": round(prefill / max(spec_seconds, 1e-9), 4),
+        "time_verify": round(verify / max(spec_seconds, 1e-9), 4),
+        "time_draft": round(draft / max(spec_seconds, 1e-9), 4),
+        "time_overhead": round(overhead / max(spec_seconds, 1e-9), 4),
+    }

@@ -1,0 +1,372 @@
+"""The one teacher-forced scorer: τ, per-slot acceptance and DDTree streaks of a drafter, without
+running the target.
+
+On the captured val features, each block is drafted exactly as at decoding (the context is the
+target's own features before the anchor) and compared with the target-greedy answer:
+
+    τ (acceptance length)  1 + the number of leading drafted slots whose argmax is the target's
+                           token: what speculative decoding at T = 0 would commit per step if
+                           the committed prefix were the target's own. Slots past the answer end
+                           count as misses.
+    slot acceptance        per slot, unconditional and given every earlier slot was accepted
+    DDTree-k streak        how far the target's tokens walk down the best-first tree of the k
+                           most probable drafted prefixes (tree verification's acceptance)
+
+Means carry a 95% interval over prompts (`stats`), never over blocks: blocks of one answer are
+not independent. `score_teacher_forced` drafts all blocks of several sequences in one forward
+under the DFlash mask (seconds for thousands of blocks); `score_one_block_at_a_time` is the plain
+reference through the decoding cache, obvious by inspection, that the tests compare it with.
+Train's periodic τ and the `evaluate` stage both call `score_teacher_forced`.
+"""
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dflash_pipeline.blocks import build_batch, draw_anchors, scoring_anchor_seed, valid_anchors
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block
+from dflash_pipeline.progress import progress_iter
+from dflash_pipeline.stats import mean_ci95_over_prompts, paired_difference as paired_prompt_difference
+from dflash_pipeline.target import TargetHead
+
+EVERY_ANCHOR = 1 << 30
+
+
+def _anchors_cap(anchors_per_sequence: int) -> int:
+    return anchors_per_sequence if anchors_per_sequence > 0 else EVERY_ANCHOR
+
+
+def acceptance_length(correct: np.ndarray) -> np.ndarray:
+    """tau per block: 1 + the number of leading drafted slots that are correct. correct [n, B-1]."""
+    return 1 + np.cumprod(correct.astype(np.int64), axis=1).sum(axis=1)
+
+
+def ddtree_streak(logprobs, token_ids, reference: list[int], budget: int) -> int:
+    """DDTree-k streak of one block.
+
+    logprobs / token_ids [D][K]: each drafted depth's K most probable tokens, best first. The tree
+    holds the `budget` most probable prefixes, grown best-first over the summed log-probs (each
+    pop adds a node, then offers its next sibling and its first child). The streak is how many
+    tree nodes the reference walk matches from the root: 0..min(budget, len(reference)).
+    """
+    depth, width = len(logprobs), len(logprobs[0]) if len(logprobs) else 0
+    if budget <= 0 or depth == 0:
+        return 0
+    children: dict[int, dict[int, int]] = {}
+    # heap entries: (-score, tie-break order, depth, rank, parent node, parent score)
+    heap = [(-logprobs[0][0], 0, 0, 0, -1, 0.0)]
+    pushed, nodes = 1, 0
+    while heap and nodes < budget:
+        negative, _, d, rank, parent, parent_score = heapq.heappop(heap)
+        node = nodes
+        children.setdefault(parent, {})[token_ids[d][rank]] = node
+        nodes += 1
+        if rank + 1 < width:
+            heapq.heappush(heap, (-(parent_score + logprobs[d][rank + 1]), pushed, d, rank + 1, parent, parent_score))
+            pushed += 1
+        if d + 1 < depth:
+            heapq.heappush(heap, (negative - logprobs[d + 1][0], pushed, d + 1, 0, node, -negative))
+            pushed += 1
+    streak, node = 0, -1
+    for token in reference:
+        node = children.get(node, {}).get(token)
+        if node is None:
+            break
+        streak += 1
+    return streak
+
+
+@dataclass
+class BlockScores:
+    """Teacher-forced results of every evaluated block of one drafter."""
+
+    sequence: np.ndarray  # [n] index of the val sequence
+    anchor: np.ndarray  # [n] anchor position
+    correct: np.ndarray  # [n, B-1] drafted argmax == target-greedy token (and the slot exists)
+    valid: np.ndarray  # [n, B-1] the slot holds an answer token to compare with
+    streaks: dict[int, np.ndarray] = field(default_factory=dict)  # budget -> [n]
+
+    @property
+    def tau(self) -> np.ndarray:
+        return acceptance_length(self.correct)
+
+
+def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.ndarray, reference_length: np.ndarray,
+                   budgets: list[int]) -> dict[int, np.ndarray]:
+    """`ddtree_streak` for many blocks at once, for every budget: {budget: streaks [n]}.
+
+    logprobs [n, D, K] float64 and token_ids [n, D, K]: each depth's K best tokens, best first;
+    reference [n, D]: the target's tokens, of which the first reference_length [n] count.
+    The same best-first growth as `ddtree_streak`, run for all blocks in lockstep, ties broken
+    the same way (by push order). Pops come in the same order whatever the budget, so one growth
+    to the largest budget serves them all: the tree of budget k is the first k pops.
+    """
+    n, depth, width = logprobs.shape
+    top = max([0, *budgets])
+    result = {budget: np.zeros(n, dtype=np.int64) for budget in budgets}
+    if n == 0 or top <= 0 or depth == 0:
+        return result
+    capacity = 2 * top + 1  # the root, then at most two pushes per pop
+    rows = np.arange(n)
+    alive = np.zeros((n, capacity), dtype=bool)
+    score = np.full((n, capacity), -np.inf)
+    parent_score = np.zeros((n, capacity))
+    node_depth = np.zeros((n, capacity), dtype=np.int64)
+    node_rank = np.zeros((n, capacity), dtype=np.int64)
+    parent = np.full((n, capacity), -1, dtype=np.int64)
+    alive[:, 0], score[:, 0] = True, logprobs[:, 0, 0]
+    pushed = np.ones(n, dtype=np.int64)
+    on_path = np.zeros((n, top), dtype=bool)  # pop t is a node of the reference walk
+
+    def push(which, entry_score, entry_parent_score, entry_depth, entry_rank, entry_parent):
+        chosen = rows[which]
+        slot = pushed[chosen]
+        alive[chosen, slot], score[chosen, slot], parent_score[chosen, slot] = True, entry_score[which], entry_parent_score[which]
+        node_depth[chosen, slot], node_rank[chosen, slot], parent[chosen, slot] = entry_depth[which], entry_rank[which], entry_parent[which]
+        pushed[chosen] += 1
+
+    for step in range(top):
+        popped = alive.any(axis=1)
+        if not popped.any():
+            break  # every tree is complete (a tiny vocabulary)
+        masked = np.where(alive, score, -np.inf)
+        best = masked.max(axis=1, keepdims=True)
+        pick = np.argmax(alive & (masked == best), axis=1)  # slots are in push order: the first is the heap's pick
+        d, r, p = node_depth[rows, pick], node_rank[rows, pick], parent[rows, pick]
+        s, ps = score[rows, pick], parent_score[rows, pick]
+        alive[rows, pick] &= ~popped
+        parent_on_path = np.where(p < 0, True, on_path[rows, np.maximum(p, 0)])
+        matches = token_ids[rows, d, r] == reference[rows, d]
+        on_path[:, step] = popped & parent_on_path & (d < reference_length) & matches
+        sibling = np.minimum(r + 1, width - 1)
+        push(popped & (r + 1 < width), ps + logprobs[rows, d, sibling], ps, d, r + 1, p)
+        child = np.minimum(d + 1, depth - 1)
+        push(popped & (d + 1 < depth), s + logprobs[rows, child, 0], s, d + 1, np.zeros_like(r), np.full_like(p, step))
+    reached = np.cumsum(on_path, axis=1)
+    for budget in budgets:
+        if budget > 0:
+            result[budget] = reached[:, budget - 1]
+    return result
+
+
+def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int]):
+    """logits [n, B-1, V] (overwritten when float32) -> correct [n, B-1] and streaks {budget: [n]}.
+
+    The log-sum-exp the tree needs is taken in place: a fresh vocabulary-sized tensor per chunk
+    costs more in page faults than the arithmetic. One block (the reference loop) walks the
+    obvious scalar tree; many blocks take the lockstep `ddtree_streaks`.
+    """
+    if not budgets:
+        return ((logits.argmax(-1).cpu() == labels) & valid).numpy(), {}
+    logits = logits.float()  # a bf16 head's logits (GPU) are scored in fp32, in a copy
+    values, ids = logits.topk(min(max(budgets), logits.shape[-1]), dim=-1)
+    correct = (ids[..., 0].cpu() == labels) & valid
+    top1 = values[..., :1]
+    lse = logits.sub_(top1).exp_().sum(-1, keepdim=True).log_().add_(top1)
+    logprobs, ids = (values - lse).cpu().double().numpy(), ids.cpu().numpy()
+    reference_length = valid.int().cumprod(1).sum(1).numpy()
+    if logits.shape[0] > 1:
+        return correct.numpy(), ddtree_streaks(logprobs, ids, labels.numpy(), reference_length, budgets)
+    streaks = {budget: np.zeros(logits.shape[0], dtype=np.int64) for budget in budgets}
+    for block in range(logits.shape[0]):
+        reference = labels[block][: reference_length[block]].tolist()
+        for budget in budgets:
+            streaks[budget][block] = ddtree_streak(logprobs[block].tolist(), ids[block].tolist(), reference, budget)
+    return correct.numpy(), streaks
+
+
+def logits_into(head: TargetHead, hidden: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The head's logits [..., V] of hidden [..., H], written into `buffer` (>= rows x V elements).
+
+    On CPU a fresh vocabulary-sized result is first touched page by page: its matmul ran at
+    150-180 GFLOP/s here against ~400 in a reused buffer. Valid until the buffer is reused.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(head.lm_head_weight.dtype).contiguous()
+    result = buffer.view(-1)[: flat.shape[0] * head.lm_head_weight.shape[0]].view(flat.shape[0], -1)
+    torch.mm(flat, head.lm_head_weight.T, out=result)
+    return result.view(*hidden.shape[:-1], -1)
+
+
+def _joined(parts: dict[str, list], streak_parts: dict[int, list]) -> BlockScores:
+    """One BlockScores from the per-batch (or per-block) pieces."""
+    return BlockScores(**{name: np.concatenate(pieces) for name, pieces in parts.items()},
+                       streaks={budget: np.concatenate(pieces) for budget, pieces in streak_parts.items()})
+
+
+@torch.no_grad()
+def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, anchors_per_sequence: int, tokens_per_batch: int,
+                         tree_budgets: list[int], seed: int = 0, sequences: list[int] | None = None, logits_chunk: int = 1024,
+                         blocks_per_forward: int = 64, attention: str = "sdpa", progress: bool = False) -> BlockScores:
+    """Teacher-forced scores of one drafter, all blocks of a packed group of sequences per forward.
+
+    Block `anchors_per_sequence` anchors per val sequence (0: every anchor), drawn by
+    `scoring_anchor_seed(seed, sequence)`. Leaves the drafter in eval mode.
+    """
+    drafter.eval()
+    config = drafter.config
+    block_size, cap = config.block_size, _anchors_cap(anchors_per_sequence)
+    indices = list(range(len(dataset))) if sequences is None else list(sequences)
+    lengths = dataset.lengths()
+    anchors = {index: min(cap, max(0, int(dataset[index].loss_mask.sum()) - 1)) for index in indices}  # an upper bound
+    # Pack sequences up to a context budget and a block budget: the dense DFlash mask costs
+    # blocks x (context + blocks), so packing too many blocks wastes attention on masked keys.
+    groups, current, tokens, blocks = [], [], 0, 0
+    for index in indices:
+        if current and (tokens + lengths[index] > tokens_per_batch or blocks + anchors[index] > blocks_per_forward):
+            groups.append(current)
+            current, tokens, blocks = [], 0, 0
+        current.append(index)
+        tokens += lengths[index]
+        blocks += anchors[index]
+    if current:
+        groups.append(current)
+    device = head.embed_weight.device
+    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
+    streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
+    # The head runs on chunks of `chunk` blocks gathered across forwards (a forward holds few
+    # blocks, to keep its dense mask small), in one reused buffer (see `logits_into`).
+    chunk = max(1, logits_chunk // (block_size - 1))
+    logits_buffer = torch.empty(chunk * (block_size - 1) * head.lm_head_weight.shape[0], device=device, dtype=head.lm_head_weight.dtype)
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # drafted, not yet through the head
+
+    def score_pending(everything: bool) -> None:
+        hidden, labels, valid = (torch.cat(piece) for piece in zip(*pending))
+        pending.clear()
+        ready = hidden.shape[0] if everything else hidden.shape[0] // chunk * chunk
+        for start in range(0, ready, chunk):
+            stop = min(start + chunk, ready)
+            logits = logits_into(head, hidden[start:stop], logits_buffer)
+            correct, streaks = _score_logits(logits, labels[start:stop], valid[start:stop], tree_budgets)
+            parts["correct"].append(correct)
+            for budget in tree_budgets:
+                streak_parts[budget].append(streaks[budget])
+        if ready < hidden.shape[0]:
+            pending.append((hidden[ready:], labels[ready:], valid[ready:]))
+
+    for group in progress_iter(groups, desc=f"score {drafter_label(drafter)}", unit="batch", disable=not progress, leave=False):
+        samples = [dataset[index] for index in group]
+        if not any(valid_anchors(sample.loss_mask).numel() for sample in samples):
+            continue
+        batch = build_batch(samples, anchors_per_sequence=cap, block_size=block_size, mask_token_id=config.mask_token_id,
+                            gamma=1.0, anchor_seeds=[scoring_anchor_seed(seed, index) for index in group],
+                            sliding_window=config.sliding_window).to(str(device))
+        embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
+        hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
+                                        attention=attention)
+        pending.append((hidden.view(-1, block_size, hidden.shape[-1])[:, 1:], batch.labels, batch.exists))
+        if sum(piece[0].shape[0] for piece in pending) >= chunk:
+            score_pending(everything=False)
+        parts["valid"].append(batch.exists.numpy())
+        parts["sequence"].append(np.array(group)[batch.block_sequence.numpy()])
+        parts["anchor"].append(batch.anchors.cpu().numpy())
+    if pending:
+        score_pending(everything=True)
+    if not parts["correct"]:
+        raise PipelineError("evaluate: the val shards hold no answer with two tokens in a row to anchor a block")
+    return _joined(parts, streak_parts)
+
+
+@torch.no_grad()
+def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset, *, anchors_per_sequence: int, tree_budgets: list[int],
+                              seed: int = 0, sequences: list[int] | None = None, reuse_context: bool = True) -> BlockScores:
+    """The plain reference: one block per drafter forward through the inference KV cache.
+
+    Same anchors and scoring as `score_teacher_forced`; obvious by inspection, and slow (the
+    vocabulary head runs on B-1 rows at a time). `reuse_context=False` rebuilds the context
+    cache for every block, as a script that drafts each block from scratch does. Used by the
+    tests and the benchmark.
+    """
+    drafter.eval()
+    config = drafter.config
+    block_size, cap = config.block_size, _anchors_cap(anchors_per_sequence)
+    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
+    streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
+    for index in (range(len(dataset)) if sequences is None else sequences):
+        sample = dataset[index]
+        ids, mask, length = sample.input_ids.long(), sample.loss_mask.bool(), sample.input_ids.shape[0]
+        anchors = draw_anchors(sample.loss_mask, cap, scoring_anchor_seed(seed, index))
+        cache = DraftCache(drafter)
+        for anchor in anchors:
+            if not reuse_context:
+                cache = DraftCache(drafter)
+            cache.extend(sample.features[cache.length : anchor].to(head.embed_weight.device))
+            logits = draft_block(drafter, head, cache, int(ids[anchor]))
+            slots = torch.arange(anchor + 1, anchor + block_size)
+            inside = slots < length
+            labels = ids[slots.clamp(max=length - 1)]
+            valid = inside & mask[slots.clamp(max=length - 1)]
+            correct, streaks = _score_logits(logits[None], labels[None], valid[None], tree_budgets)
+            parts["correct"].append(correct)
+            parts["valid"].append(valid[None].numpy())
+            parts["sequence"].append(np.array([index]))
+            parts["anchor"].append(np.array([anchor]))
+            for budget in tree_budgets:
+                streak_parts[budget].append(streaks[budget])
+    return _joined(parts, streak_parts)
+
+
+def drafter_label(drafter: DFlashDrafter) -> str:
+    config = drafter.config
+    return f"{config.num_layers}L/B{config.block_size}"
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def per_slot_acceptance(scores: BlockScores) -> tuple[list[float], list[float]]:
+    """(unconditional, conditional) acceptance per drafted slot.
+
+    Unconditional: P(slot k correct) over blocks where slot k exists. Conditional: the same over
+    blocks whose slots 1..k-1 were all accepted, i.e. the chance that speculation continues.
+    """
+    correct, valid = scores.correct, scores.valid
+    reached = np.concatenate([np.ones((correct.shape[0], 1), dtype=bool), np.cumprod(correct, axis=1)[:, :-1].astype(bool)], axis=1)
+    unconditional, conditional = [], []
+    for k in range(correct.shape[1]):
+        exists = valid[:, k]
+        unconditional.append(float(correct[exists, k].mean()) if exists.any() else float("nan"))
+        got_there = exists & reached[:, k]
+        conditional.append(float(correct[got_there, k].mean()) if got_there.any() else float("nan"))
+    return unconditional, conditional
+
+
+def summarize_blocks(scores: BlockScores, categories: list[str] | None = None) -> dict:
+    """Flat metrics of one drafter: means over prompts (each prompt's blocks averaged first)."""
+    tau, ci = mean_ci95_over_prompts(scores.tau, scores.sequence)
+    unconditional, conditional = per_slot_acceptance(scores)
+    summary = {"tau": round(tau, 4), "tau_ci95": round(ci, 4), "blocks": int(scores.tau.shape[0]),
+               "prompts": int(np.unique(scores.sequence).shape[0]), "tau_per_block": round(float(scores.tau.mean()), 4)}
+    for budget, streak in sorted(scores.streaks.items()):
+        mean, half = mean_ci95_over_prompts(streak, scores.sequence)
+        summary[f"ddtree{budget}_streak"] = round(mean, 4)
+        summary[f"ddtree{budget}_streak_ci95"] = round(half, 4)
+    for k, (u, c) in enumerate(zip(unconditional, conditional)):
+        summary[f"slot{k + 1}_acc"] = round(u, 4)
+        summary[f"slot{k + 1}_acc_cond"] = round(c, 4)
+    if categories is not None:
+        labels = np.array([categories[s] for s in scores.sequence])
+        for category in sorted(set(labels.tolist())):
+            chosen = labels == category
+            mean, half = mean_ci95_over_prompts(scores.tau[chosen], scores.sequence[chosen])
+            summary[f"tau_{category}"] = round(mean, 4)
+            summary[f"tau_{category}_ci95"] = round(half, 4)
+    return summary
+
+
+def paired_difference(scores: BlockScores, reference: BlockScores) -> tuple[float, float, int]:
+    """τ of `scores` minus τ of `reference`, paired by prompt (`stats.paired_difference`): every
+    drafter is scored on the same anchors of the same prompts, so this is the interval that says
+    whether one drafter beats another."""
+    return paired_prompt_difference(scores.tau, scores.sequence, reference.tau, reference.sequence)
+
+
+def comparison_verdict(name: str, reference: str, mean: float, half: float, prompts: int) -> str:
+    """One line: is `name` better or worse than `reference`, or can 95% not tell them apart."""
+    if not np.isfinite(half) or abs(mean) <= half:
+        verdict = "not distinguishable at 95%"
+    else:
+        verdict = f"{name} is {'better' if mean > 0 else 'worse'}"
+    return f"{name} vs {reference}: tau difference {mean:+.4f} +- {half:.4f} (paired over {prompts} prompts): {verdict}"

@@ -1,0 +1,339 @@
+"""The public DFlash serving format: export our drafter into it, load any drafter out of it.
+
+A drafter folder, as z-lab publishes them and as z-lab/dflash's `DFlashDraftModel.from_pretrained`,
+SGLang (`--speculative-algorithm DFLASH`) and vLLM (`method: dflash`) read it:
+
+    config.json            a Qwen3 config plus architectures ["DFlashDraftModel"], block_size,
+                           num_target_layers, dflash_config {mask_token_id, target_layer_ids}
+    model.safetensors      the drafter's own weights only: fc, hidden_norm, layers.*, norm
+                           (no embedding, no LM head: those are the target's); large published
+                           drafters may shard it (model.safetensors.index.json)
+    dflash_pipeline.json   ours, optional: our DrafterConfig, the source checkpoint and target
+
+Input of `export_drafter`: a drafter (`checkpoints.export_checkpoint` exports a training checkpoint).
+Output: the folder above, renamed into place when complete. `load_dflash_drafter` reads any such
+folder (ours or a published one) into a `DFlashDrafter` with fp32 weights; whatever it cannot
+represent exactly is refused with one line naming the file and key, never approximated.
+"""
+
+import json
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import read_json, write_json_atomic
+from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+
+ARCHITECTURE = "DFlashDraftModel"
+MODEL_TYPE = "qwen3"  # what z-lab's released drafters declare: the layers are Qwen3 layers
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PROVENANCE_FILE = "dflash_pipeline.json"
+PROVENANCE_VERSION = 1
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def public_weight_names(num_layers: int) -> list[str]:
+    """The tensor names of the serving format (DFLASH.md), independent of how model.py names things."""
+    per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"self_attn.{n}_norm.weight" for n in "qk"]
+    per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    return names + [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer]
+
+
+def _public_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """The drafter's state_dict under the public names. Ours are the same names by design; this
+    check keeps a rename in model.py from silently producing folders no server can load."""
+    state = drafter.state_dict()
+    public = public_weight_names(drafter.config.num_layers)
+    if set(state) != set(public):
+        raise PipelineError(f"DFlashDrafter weights {sorted(set(state) ^ set(public))[:3]} differ from the serving format's names")
+    return {name: state[name] for name in public}
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def serving_config(config: DrafterConfig, *, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json for `config`: every field z-lab's code, SGLang and vLLM read, in both spellings
+    where transformers 4.x and 5.x differ (rope_theta / rope_parameters, torch_dtype / dtype)."""
+    if config.sliding_window is not None:
+        # The format's "sliding_attention" layers are causal inside the block in SGLang and vLLM,
+        # and windowed relative to each query; ours see a fixed window before the anchor and the
+        # whole block. No published spelling means what we trained, so refuse rather than mislead.
+        raise PipelineError(
+            f"drafter has sliding_window={config.sliding_window}: the serving format has no equivalent of our "
+            "anchor-relative, block-bidirectional window; export a drafter trained with train.sliding_window: null")
+    if config.hidden_act != "silu":
+        raise PipelineError(f"drafter has hidden_act={config.hidden_act!r}; the serving engines implement silu only")
+    dtype_name = DTYPE_NAMES[dtype]
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        # SGLang reads block_size from here first, z-lab and MLX from the top level: same value.
+        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                          "block_size": config.block_size},
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        # transformers 4.x (z-lab's pin) and MLX read rope_theta; 5.x and vLLM read rope_parameters.
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        # Explicit, so that no reader derives sliding layers from its own defaults (max_window_layers).
+        "layer_types": ["full_attention"] * config.num_layers,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": config.num_layers,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+    }
+
+
+def _is_drafter_folder(folder: Path) -> bool:
+    try:
+        return ARCHITECTURE in json.loads((folder / "config.json").read_text()).get("architectures", [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: Path, *, dtype: torch.dtype = torch.float32,
+                   source: dict | None = None) -> Path:
+    """Write `drafter` to `out_dir` in the serving format; `source` goes into the provenance file."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPE_NAMES:
+        raise PipelineError(f"export dtype must be one of {sorted(DTYPE_NAMES.values())}, got {dtype}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not _is_drafter_folder(out_dir):
+        # Replacing means deleting: never do that to a folder this function did not write.
+        raise PipelineError(f"{out_dir}: exists and is not a DFlash drafter folder; refusing to replace it")
+    config = serving_config(drafter.config, dtype=dtype)
+    weights = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in _public_state(drafter).items()}
+    provenance = {"format_version": PROVENANCE_VERSION, "drafter": drafter.config.to_dict(), "dtype": DTYPE_NAMES[dtype],
+                  "source": source or {}}
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+    write_json_atomic(tmp / PROVENANCE_FILE, provenance)
+    # Never a half-written folder under the final name: the old one is moved aside, not overwritten.
+    old = out_dir.with_name(out_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _field(config: dict, key: str, where: Path):
+    if config.get(key) is None:
+        raise PipelineError(f"{where}: no {key}")
+    return config[key]
+
+
+def _rope_theta(config: dict, where: Path) -> float:
+    """The RoPE base, from rope_parameters (transformers 5) or rope_theta / rope_scaling (4.x).
+
+    Only plain RoPE is accepted: scaled or partial rotary RoPE would need code we do not have, and a
+    missing theta is refused because the readers disagree on its default (HF 1e4, vLLM 1e6).
+    """
+    parameters = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    for key, spec in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            raise PipelineError(f"{where}: {key}.rope_type is {kind!r}; only plain RoPE (default) is supported")
+        if spec.get("partial_rotary_factor", 1.0) != 1.0:
+            raise PipelineError(f"{where}: {key}.partial_rotary_factor is {spec['partial_rotary_factor']}; only full RoPE is supported")
+    theta = parameters.get("rope_theta", config.get("rope_theta"))
+    if theta is None:
+        raise PipelineError(f"{where}: no rope_theta (nor rope_parameters.rope_theta)")
+    return float(theta)
+
+
+def _layer_types(config: dict, num_layers: int) -> list[str]:
+    """Per-layer attention kinds as Qwen3Config derives them when layer_types is absent."""
+    if config.get("layer_types") is not None:
+        return list(config["layer_types"])
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    first_sliding = config.get("max_window_layers", num_layers)
+    return ["sliding_attention" if window is not None and i >= first_sliding else "full_attention" for i in range(num_layers)]
+
+
+def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
+    """Map a serving config.json (already parsed) onto our DrafterConfig; `where` names it in errors."""
+    dflash = config.get("dflash_config") or {}
+    if ARCHITECTURE not in (config.get("architectures") or [ARCHITECTURE]):
+        raise PipelineError(f"{where}: architectures is {config['architectures']}, not [{ARCHITECTURE!r}]")
+    num_layers = int(_field(config, "num_hidden_layers", where))
+    hidden_size = int(_field(config, "hidden_size", where))
+    heads = int(_field(config, "num_attention_heads", where))
+
+    block_size = config.get("block_size", dflash.get("block_size"))
+    if block_size is None:
+        raise PipelineError(f"{where}: no block_size")
+    if dflash.get("block_size", block_size) != block_size:
+        raise PipelineError(f"{where}: dflash_config.block_size {dflash['block_size']} differs from block_size {block_size}")
+    num_target_layers = dflash.get("num_target_layers", config.get("num_target_layers"))
+    if num_target_layers is None:
+        raise PipelineError(f"{where}: no num_target_layers")
+    mask_token_id = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask_token_id is None:
+        raise PipelineError(f"{where}: no dflash_config.mask_token_id (a mask token given only by name needs the tokenizer)")
+
+    layer_ids = dflash.get("target_layer_ids")
+    if layer_ids is None:
+        from dflash_pipeline.target import build_target_layer_ids
+
+        # z-lab's default: as many taps as drafter layers, spread over the target.
+        layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
+    if not layer_ids or any(not 0 <= int(i) < int(num_target_layers) for i in layer_ids):
+        raise PipelineError(f"{where}: dflash_config.target_layer_ids {layer_ids} is empty or outside 0..{int(num_target_layers) - 1}")
+
+    layer_types = _layer_types(config, num_layers)
+    if len(layer_types) != num_layers:
+        raise PipelineError(f"{where}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unsupported = sorted(set(layer_types) - {"full_attention"})
+    if unsupported:
+        # SGLang and vLLM run "sliding_attention" draft layers causally inside the block, with a
+        # query-relative window; our drafter attends bidirectionally, so it would compute another model.
+        raise PipelineError(f"{where}: layer_types has {unsupported[0]!r} layers, which DFlashDrafter does not implement")
+    if config.get("attention_bias"):
+        raise PipelineError(f"{where}: attention_bias is true; DFlashDrafter has no attention biases")
+    hidden_act = config.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise PipelineError(f"{where}: hidden_act is {hidden_act!r}; DFlashDrafter implements silu only")
+
+    return DrafterConfig(
+        hidden_size=hidden_size,
+        intermediate_size=int(_field(config, "intermediate_size", where)),
+        num_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden_size // heads),
+        vocab_size=int(_field(config, "vocab_size", where)),
+        block_size=int(block_size),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        num_target_layers=int(num_target_layers),
+        mask_token_id=int(mask_token_id),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # Qwen3Config's default
+        rope_theta=_rope_theta(config, where),
+        max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+        sliding_window=None,
+        hidden_act=hidden_act,
+    )
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """tensor name -> the file that should hold it: the single file, or the shards of the index."""
+    single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX
+    if single.is_file():
+        return {}
+    if not index.is_file():
+        raise PipelineError(f"{directory}: no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX})")
+    weight_map = read_json(index, missing="unreadable").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise PipelineError(f"{index}: no weight_map")
+    return {name: directory / file for name, file in weight_map.items()}
+
+
+def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
+    """Read the drafter's tensors as fp32, after checking names and shapes against `expected_shapes`.
+
+    Returns (tensors, {name: stored dtype}). Every problem is one line naming the file and tensor.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(directory)
+    indexed = _weight_files(directory)
+    files = sorted(set(indexed.values())) if indexed else [directory / WEIGHTS_FILE]
+    tensors, stored = {}, {}
+    for file in files:
+        if not file.is_file():
+            raise PipelineError(f"{directory / WEIGHTS_INDEX}: names shard {file.name}, which does not exist")
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    if name not in expected_shapes:
+                        raise PipelineError(f"{file}: unexpected tensor {name!r} (not a DFlash drafter weight)")
+                    if indexed and indexed.get(name) != file:
+                        raise PipelineError(f"{file}: holds {name!r}, which {WEIGHTS_INDEX} places elsewhere")
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    if shape != expected_shapes[name]:
+                        raise PipelineError(f"{file}: tensor {name!r} has shape {list(shape)}, config.json implies {list(expected_shapes[name])}")
+                    tensor = handle.get_tensor(name)
+                    stored[name] = str(tensor.dtype).removeprefix("torch.")
+                    tensors[name] = tensor.to(torch.float32)
+        except SafetensorError as exc:
+            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+    missing = [name for name in expected_shapes if name not in tensors]
+    if missing:
+        where = directory / WEIGHTS_INDEX if indexed else directory / WEIGHTS_FILE
+        raise PipelineError(f"{where}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return tensors, stored
+
+
+def _provenance(directory: Path, config: DrafterConfig) -> tuple[dict | None, DrafterConfig]:
+    """Our provenance file if present, and the config with its `extra` notes restored.
+
+    config.json is what every server reads, so it wins; provenance that disagrees with it means one
+    of the two was edited by hand, and the drafter's origin is then unknown.
+    """
+    path = directory / PROVENANCE_FILE
+    if not path.is_file():
+        return None, config
+    provenance = read_json(path, missing="unreadable")
+    recorded = dict(provenance.get("drafter") or {})
+    extra = recorded.pop("extra", {})
+    derived = config.to_dict()
+    for key, value in recorded.items():
+        if key in derived and derived[key] != value:
+            raise PipelineError(f"{path}: drafter.{key} is {value!r}, but config.json gives {derived[key]!r}")
+    return provenance, replace(config, extra=extra)
+
+
+def load_dflash_drafter(directory: Path, *, device: str = "cpu") -> tuple[DFlashDrafter, dict]:
+    """A DFlashDrafter (fp32) from a serving-format folder, ours or published.
+
+    The info dict holds `config` (config.json as read), `provenance` (ours, or None) and
+    `stored_dtype` (the dtype of the weight files, e.g. "bfloat16").
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    raw = read_json(config_path, missing="no config.json (not a DFlash drafter folder)")
+    drafter_config = drafter_config_from_serving(raw, where=config_path)
+    provenance, drafter_config = _provenance(directory, drafter_config)
+    drafter = DFlashDrafter(drafter_config)
+    expected = {name: tuple(tensor.shape) for name, tensor in _public_state(drafter).items()}
+    tensors, stored = read_serving_weights(directory, expected)
+    drafter.load_state_dict(tensors)
+    stored_dtypes = sorted(set(stored.values()))
+    info = {"config": raw, "provenance": provenance,
+            "stored_dtype": stored_dtypes[0] if len(stored_dtypes) == 1 else stored_dtypes}
+    return drafter.to(device), info
