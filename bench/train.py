@@ -68,7 +68,9 @@ def main(hidden, target_json, steps, rounds, device):
     from dflash_pipeline.model import DFlashDrafter, count_parameters
     from dflash_pipeline.shards import Sample, open_split
     from dflash_pipeline.target import TargetInfo, load_target_head
-    from dflash_pipeline.train import TrainingVocabulary, drafter_config_for, plan_steps
+    from dflash_pipeline.loss import TrainingVocabulary
+    from dflash_pipeline.drafters import drafter_config_for
+    from dflash_pipeline.train import plan_steps
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = load_params("params.yaml").train

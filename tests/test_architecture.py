@@ -16,7 +16,7 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 LAYERS = [
     ["errors", "files", "config", "runtime", "stats", "progress"],
     ["prompts", "shards", "target", "model", "serving"],
-    ["blocks", "checkpoints", "engine", "scoring"],
+    ["blocks", "checkpoints", "drafters", "engine", "scoring", "loss"],
     ["generate", "capture", "train", "evaluate", "export"],
     ["report"],
     ["cli"],

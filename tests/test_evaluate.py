@@ -10,7 +10,19 @@ import torch
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.engine import DecodeRun, EndToEndPrompt, drafter_proposer, greedy_decode, speculative_decode, summarize_end_to_end
 from dflash_pipeline.evaluate import check_drafter_contract, select_checkpoints, val_prompts
-from dflash_pipeline.scoring import BlockScores, acceptance_length, comparison_verdict, ddtree_streak, ddtree_streaks, logits_into, paired_difference, per_slot_acceptance, score_one_block_at_a_time, score_teacher_forced, summarize_blocks
+from dflash_pipeline.scoring import (
+    BlockScores,
+    acceptance_length,
+    comparison_verdict,
+    ddtree_streak,
+    ddtree_streaks,
+    logits_into,
+    paired_difference,
+    per_slot_acceptance,
+    score_one_block_at_a_time,
+    score_teacher_forced,
+    summarize_blocks,
+)
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
 from dflash_pipeline.target import TargetHead
 from dflash_pipeline.shards import Sample
@@ -334,3 +346,34 @@ def test_logits_written_into_a_reused_buffer_equal_the_heads_own():
     torch.testing.assert_close(first, head.logits(hidden), rtol=0, atol=0)
     fewer = logits_into(head, hidden[:1, 1:], buffer)  # a strided slice, fewer rows: the same storage
     torch.testing.assert_close(fewer, head.logits(hidden[:1, 1:]), rtol=0, atol=0)
+
+
+def test_a_sliding_window_drafter_drafts_the_same_batched_as_at_decoding():
+    # Decoding (draft_block) hides context keys more than `sliding_window` before the anchor; the
+    # batched forward of training and scoring gets its mask from blocks.build_batch, which must
+    # apply the same window.
+    from dflash_pipeline.blocks import build_batch, scoring_anchor_seed
+    from dflash_pipeline.model import DraftCache, draft_block
+
+    drafter, head, split = small_vocab_setup()
+    windowed = DFlashDrafter(replace(drafter.config, sliding_window=3)).eval()
+    windowed.load_state_dict(drafter.state_dict())
+    samples = split.samples[:3]
+
+    def batched_logits(model):
+        batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=2, gamma=1.0,
+                            anchor_seeds=[scoring_anchor_seed(0, i) for i in range(3)], sliding_window=model.config.sliding_window)
+        hidden = model.forward_blocks(batch.features, batch.context_positions, head.embed(batch.block_ids), batch.block_positions,
+                                      batch.mask)
+        return head.logits(hidden.view(-1, 4, hidden.shape[-1])[:, 1:]), batch
+
+    with torch.no_grad():
+        ours, batch = batched_logits(windowed)
+        at_decoding = []
+        for block, (number, anchor) in enumerate(zip(batch.block_sequence.tolist(), batch.anchors.tolist())):
+            cache = DraftCache(windowed)
+            cache.extend(samples[number].features[:anchor].float())
+            at_decoding.append(draft_block(windowed, head, cache, int(samples[number].input_ids[anchor])))
+        torch.testing.assert_close(ours, torch.stack(at_decoding), rtol=1e-5, atol=1e-5)
+        unwindowed, _ = batched_logits(drafter)
+    assert (ours - unwindowed).abs().max() > 1e-3  # the window matters on this data

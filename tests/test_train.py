@@ -20,7 +20,9 @@ from dflash_pipeline.target import TargetInfo, prepare_target
 from dflash_pipeline.blocks import build_batch, valid_anchors
 from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.target import load_target_head
-from dflash_pipeline.train import ChunkedHeadCrossEntropy, choose_mask_token, learning_rate, plan_steps, run_train
+from dflash_pipeline.loss import ChunkedHeadCrossEntropy
+from dflash_pipeline.drafters import choose_mask_token
+from dflash_pipeline.train import learning_rate, plan_steps, run_train
 
 # The first losses of the tiny end-to-end run below. A change in model, loss, batching,
 # initialisation or seeding moves them: update deliberately, never to make a test pass.
@@ -84,6 +86,18 @@ def test_anchors_labels_and_weights_follow_the_recipe():
                                                      gamma=4.0, anchor_seeds=[5]).block_ids)
 
 
+def test_the_sliding_window_masks_context_before_the_anchor():
+    sample = _sample(list(range(10, 22)), [0, 0] + [1] * 10)
+    full = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, gamma=4.0, anchor_seeds=[1])
+    windowed = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, gamma=4.0, anchor_seeds=[1],
+                           sliding_window=3)
+    anchors = windowed.block_positions.view(-1, 4)[:, 0].repeat_interleave(4)
+    keys = torch.arange(12)
+    visible = windowed.mask[:, :12]
+    assert torch.equal(visible, full.mask[:, :12] & (keys[None, :] >= anchors[:, None] - 3))
+    assert visible.sum() < full.mask[:, :12].sum() and torch.equal(windowed.mask[:, 12:], full.mask[:, 12:])
+
+
 def test_learning_rate_warms_up_then_decays_by_cosine():
     rates = [learning_rate(s, max_steps=100, base_lr=1.0, warmup_fraction=0.1) for s in range(100)]
     assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)
@@ -135,6 +149,32 @@ def test_end_to_end_losses_are_pinned_and_checkpoints_load(tiny_run, tmp_path):
     assert "mask_token" in info["drafter"]["extra"]
     rows_with_tau = [row for row in result["curve"] if "tau" in row]
     assert [row["step"] for row in rows_with_tau] == [3, 6] and len(rows_with_tau[0]["slot_accuracy"]) == 3
+
+
+def test_training_uses_the_sliding_window(tiny_run, tmp_path):
+    # The window was once applied only at decoding: training saw every context key.
+    windowed = _train(tiny_run, tmp_path / "w", replace(TINY_TRAIN, sliding_window=4, max_steps=2, eval_every=2, save_every=2))
+    full = _train(tiny_run, tmp_path / "f", replace(TINY_TRAIN, max_steps=2, eval_every=2, save_every=2))
+    assert windowed["curve"][0]["loss"] != full["curve"][0]["loss"]
+
+
+def test_periodic_tau_is_evaluates_scorer_with_its_interval_over_prompts(tiny_run, tmp_path):
+    # One teacher-forced scorer: train's tau (and CI) is what `evaluate` reports for the same
+    # checkpoint, anchors and seed, with the 95% interval over prompts, not over blocks.
+    from dflash_pipeline.scoring import score_teacher_forced, summarize_blocks
+    from dflash_pipeline.shards import open_split
+
+    target, root = tiny_run
+    result = _train(tiny_run, tmp_path / "ck")
+    drafter, _ = load_checkpoint(tmp_path / "ck" / "step_000006")
+    val = open_split(root / "hidden" / "val")
+    scores = score_teacher_forced(drafter, load_target_head(target, device="cpu", dtype=torch.float32), val,
+                                  anchors_per_sequence=math.ceil(TINY_TRAIN.eval_blocks / len(val)), tokens_per_batch=4096,
+                                  tree_budgets=[], seed=TINY_TRAIN.seed)
+    summary = summarize_blocks(scores)
+    assert (result["tau_tf"], result["tau_tf_ci95"]) == (summary["tau"], summary["tau_ci95"])
+    assert result["slot_accuracy"] == [summary[f"slot{k}_acc"] for k in (1, 2, 3)]
+    assert summary["prompts"] == len(val) and summary["blocks"] > len(val)
 
 
 def test_rerun_resumes_and_other_configurations_start_fresh(tiny_run, tmp_path):
@@ -196,6 +236,8 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_curve(tiny_run, tmp_path):
     assert (out / "state.json").exists() and not (out / "step_000120").exists()
     result = run(_stage_cmd(tmp_path, tiny_run, out, max_steps=120, save_every=4, eval_every=40), cwd=tmp_path)
     assert "resuming at step" in result.stdout + result.stderr
+    # Its output is a file here, not a terminal: plain progress lines, no bar redrawn per step.
+    assert "\r" not in result.stderr and len(result.stderr.splitlines()) < 15, result.stderr
     resumed = json.loads((out / "state.json").read_text())["curve"]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in expected]
     assert resumed[-1]["tau"] == expected[-1]["tau"]
@@ -236,7 +278,7 @@ def test_contract_mismatches_are_one_line(tiny_run, tmp_path):
 
 def test_data_vocabulary_softmax_is_the_full_softmax_restricted_to_those_rows():
     from dflash_pipeline.target import TargetHead
-    from dflash_pipeline.train import TrainingVocabulary
+    from dflash_pipeline.loss import TrainingVocabulary
 
     torch.manual_seed(5)
     head = TargetHead(torch.randn(30, 8), torch.randn(30, 8))

@@ -27,6 +27,7 @@ import torch
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, write_json_atomic
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+from dflash_pipeline.target import build_target_layer_ids, weight_files
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"  # what z-lab's released drafters declare: the layers are Qwen3 layers
@@ -38,7 +39,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def public_weight_names(num_layers: int) -> list[str]:
-    """The tensor names of the serving format (DFLASH.md), independent of how model.py names things."""
+    """The tensor names of the serving format, independent of how model.py names things."""
     per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"self_attn.{n}_norm.weight" for n in "qk"]
     per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
@@ -209,8 +210,6 @@ def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
 
     layer_ids = dflash.get("target_layer_ids")
     if layer_ids is None:
-        from dflash_pipeline.target import build_target_layer_ids
-
         # z-lab's default: as many taps as drafter layers, spread over the target.
         layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
     if not layer_ids or any(not 0 <= int(i) < int(num_target_layers) for i in layer_ids):
@@ -250,19 +249,6 @@ def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
     )
 
 
-def _weight_files(directory: Path) -> dict[str, Path]:
-    """tensor name -> the file that should hold it: the single file, or the shards of the index."""
-    single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX
-    if single.is_file():
-        return {}
-    if not index.is_file():
-        raise PipelineError(f"{directory}: no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX})")
-    weight_map = read_json(index, missing="unreadable").get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise PipelineError(f"{index}: no weight_map")
-    return {name: directory / file for name, file in weight_map.items()}
-
-
 def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
     """Read the drafter's tensors as fp32, after checking names and shapes against `expected_shapes`.
 
@@ -271,12 +257,16 @@ def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, 
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
-    indexed = _weight_files(directory)
-    files = sorted(set(indexed.values())) if indexed else [directory / WEIGHTS_FILE]
+    single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX
+    if not single.is_file() and not index.is_file():
+        raise PipelineError(f"{directory}: no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX})")
+    # A single file wins over an index, as the loaders of the format read it.
+    indexed = {} if single.is_file() else weight_files(directory)
+    files = sorted(set(indexed.values())) if indexed else [single]
     tensors, stored = {}, {}
     for file in files:
         if not file.is_file():
-            raise PipelineError(f"{directory / WEIGHTS_INDEX}: names shard {file.name}, which does not exist")
+            raise PipelineError(f"{index}: names shard {file.name}, which does not exist")
         try:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():

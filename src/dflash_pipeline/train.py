@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.blocks import Batch, build_batch, default_gamma, training_anchor_seed
+from dflash_pipeline.blocks import build_batch, default_gamma, training_anchor_seed
 from dflash_pipeline.checkpoints import (
     list_checkpoints,
     load_checkpoint,
@@ -36,169 +36,14 @@ from dflash_pipeline.checkpoints import (
     step_folder,
 )
 from dflash_pipeline.config import TrainConfig, as_dict
+from dflash_pipeline.drafters import choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.loss import TrainingVocabulary, block_loss
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
 from dflash_pipeline.scoring import per_slot_acceptance, score_teacher_forced
 from dflash_pipeline.shards import ShardDataset, open_split
 from dflash_pipeline.stats import mean_ci95_over_prompts
-from dflash_pipeline.target import TargetHead, TargetInfo, load_target_head, read_target_tensors
-
-
-# ----------------------------------------------------------------------------- target pieces
-
-
-def choose_mask_token(target: TargetInfo, used_ids: set[int]) -> tuple[int, str]:
-    """An embedding row no real token uses, else a special token that never occurs in the data."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target.path)
-    if target.vocab_size > len(tokenizer):
-        return len(tokenizer), f"first unused embedding row ({len(tokenizer)} tokens, {target.vocab_size} rows)"
-    special = sorted(set(tokenizer.all_special_ids) | {i for i in tokenizer.added_tokens_decoder if i < target.vocab_size})
-    eos = set(target.eos_token_ids)
-    for token_id in sorted(special, key=lambda i: (i in eos, i == tokenizer.pad_token_id, i)):
-        if token_id not in used_ids and token_id not in eos:
-            return token_id, f"special token {tokenizer.convert_ids_to_tokens(token_id)!r}, absent from the data"
-    raise PipelineError("train.mask_token_id: no unused embedding row and every special token occurs in the data; set it explicitly")
-
-
-def drafter_config_for(target: TargetInfo, config: TrainConfig, *, layer_ids: list[int], mask_token_id: int, extra: dict) -> DrafterConfig:
-    """Sizes copied from the target's config.json; depth and block from the train params."""
-    from transformers import AutoConfig
-
-    text = AutoConfig.from_pretrained(target.path)
-    text = text.get_text_config() if hasattr(text, "get_text_config") else text
-    rope = getattr(text, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return DrafterConfig(
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_layers=config.num_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-        head_dim=head_dim,
-        vocab_size=text.vocab_size,
-        block_size=config.block_size,
-        target_layer_ids=tuple(layer_ids),
-        num_target_layers=target.num_layers,
-        mask_token_id=mask_token_id,
-        rms_norm_eps=float(text.rms_norm_eps),
-        rope_theta=float(theta),
-        max_position_embeddings=int(getattr(text, "max_position_embeddings", 32768)),
-        sliding_window=config.sliding_window,
-        extra=extra,
-    )
-
-
-def init_from_target_layers(drafter: DFlashDrafter, target: TargetInfo) -> list[int]:
-    """Copy the target's top decoder layers into the drafter's layers (norms and projections).
-
-    Only those layers' tensors are read. q_norm / k_norm stay at one where the target has none.
-    """
-    count = len(drafter.layers)
-    source_layers = list(range(target.num_layers - count, target.num_layers))
-    wanted = []
-    names = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-             "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-             "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
-    for source in source_layers:
-        wanted += [f"layers.{source}.{name}" for name in names]
-    tensors = read_target_tensors(target.path, wanted)
-    state = drafter.state_dict()
-    for own_index, source in enumerate(source_layers):
-        for name in names:
-            tensor = tensors.get(f"layers.{source}.{name}")
-            if tensor is not None:
-                state[f"layers.{own_index}.{name}"] = tensor.to(state[f"layers.{own_index}.{name}"].dtype)
-    drafter.load_state_dict(state)
-    return source_layers
-
-
-# ----------------------------------------------------------------------------- the loss
-
-
-class ChunkedHeadCrossEntropy(torch.autograd.Function):
-    """Weighted CE through a frozen LM head, chunk by chunk, with the hidden gradient computed in
-    the forward pass: two vocab-sized matmuls per position (the minimum) and never more than
-    `chunk` x vocab logits alive. Returns sum(w * CE) and the count of argmax hits."""
-
-    @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk):
-        total = hidden.new_zeros((), dtype=torch.float32)
-        hits = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
-        grad = torch.zeros_like(hidden) if hidden.requires_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start : start + chunk]
-            logits = (h @ head_weight.T).float()
-            y, w = labels[start : start + chunk], weights[start : start + chunk]
-            log_probs = torch.log_softmax(logits, dim=-1)
-            total = total + (-(log_probs.gather(1, y[:, None])[:, 0]) * w).sum()
-            hits[start : start + chunk] = logits.argmax(-1) == y
-            if grad is not None:
-                d_logits = log_probs.exp_()
-                d_logits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
-                d_logits *= w[:, None]
-                grad[start : start + chunk] = (d_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
-        ctx.save_for_backward(grad if grad is not None else hidden.new_zeros(0))
-        ctx.mark_non_differentiable(hits)
-        return total, hits
-
-    @staticmethod
-    def backward(ctx, grad_total, grad_hits):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None
-
-
-@dataclass
-class TrainingVocabulary:
-    """The LM-head rows the loss normalises over: all of them, or only tokens the data uses.
-
-    Restricting the softmax to the tokens that occur in the training answers cuts the cost of
-    the frozen head (most of a small drafter's step) by the vocabulary ratio. The drafter still
-    drafts with the full head; evaluation always scores the full head.
-    """
-
-    head_rows: torch.Tensor  # [V', H] rows of the LM head
-    index_of: torch.Tensor | None  # [V] full id -> row in head_rows (-1: absent); None = full
-
-    @classmethod
-    def full(cls, head: TargetHead) -> "TrainingVocabulary":
-        return cls(head.lm_head_weight, None)
-
-    @classmethod
-    def from_tokens(cls, head: TargetHead, token_ids: torch.Tensor) -> "TrainingVocabulary":
-        token_ids = torch.unique(token_ids).to(head.lm_head_weight.device)
-        index_of = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=token_ids.device)
-        index_of[token_ids] = torch.arange(token_ids.numel(), device=token_ids.device)
-        return cls(head.lm_head_weight[token_ids].contiguous(), index_of)
-
-    def map(self, labels: torch.Tensor) -> torch.Tensor:
-        return labels if self.index_of is None else self.index_of[labels]
-
-
-def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits_chunk: int, weight_total: torch.Tensor | None = None,
-               attention: str = "sdpa", vocabulary: TrainingVocabulary | None = None):
-    """Decayed CE over the drafted slots of a batch: (loss, hits [blocks, B-1], weight sum).
-
-    `weight_total` (the sum over all ranks) normalises the loss so data-parallel ranks add up to
-    the same objective as one process with the whole batch. `vocabulary` restricts the softmax.
-    """
-    vocabulary = vocabulary or TrainingVocabulary.full(head)
-    block_size = drafter.config.block_size
-    embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
-    hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
-                                    attention=attention)
-    hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
-    labels, weights = batch.labels.reshape(-1), batch.weights.reshape(-1).to(hidden.device)
-    labels = vocabulary.map(labels.to(hidden.device))
-    keep = (weights > 0) & (labels >= 0)  # slots past the end, outside the answer or vocabulary cost nothing
-    total, hits = ChunkedHeadCrossEntropy.apply(hidden[keep], vocabulary.head_rows, labels[keep], weights[keep], logits_chunk)
-    weight_sum = weights.sum()
-    denominator = weight_total if weight_total is not None else weight_sum
-    all_hits = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
-    all_hits[keep] = hits
-    return total / denominator.clamp(min=1e-9), all_hits.view(batch.labels.shape), weight_sum
+from dflash_pipeline.target import TargetHead, TargetInfo, load_target_head
 
 
 # ----------------------------------------------------------------------------- schedule and plan
@@ -273,7 +118,7 @@ class TrainingRun:
     config: TrainConfig
     drafter: DFlashDrafter
     head: TargetHead
-    vocabulary: "TrainingVocabulary"
+    vocabulary: TrainingVocabulary
     optimizer: torch.optim.Optimizer
     train_set: ShardDataset
     val_set: ShardDataset
@@ -320,18 +165,6 @@ def _open_shards(target: TargetInfo, train_dir: Path, val_dir: Path) -> tuple[Sh
     return train_set, val_set
 
 
-def _new_drafter(config: TrainConfig, target: TargetInfo, drafter_config: DrafterConfig) -> tuple[DFlashDrafter, str]:
-    drafter = DFlashDrafter(drafter_config)
-    if config.init != "target_top_layers":
-        return drafter, "random"
-    note = f"target layers {init_from_target_layers(drafter, target)} and final norm"
-    # The frozen head reads what the target's final norm produces; start the drafter's there.
-    final_norm = read_target_tensors(target.path, ["norm.weight"]).get("norm.weight")
-    if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
-        drafter.norm.weight.data.copy_(final_norm.float())
-    return drafter, note
-
-
 def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
               log=print) -> TrainingRun:
     """Shards, drafter, frozen head, optimizer and step plan; resumed from `out_dir` when it holds
@@ -354,7 +187,7 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     drafter_config = drafter_config_for(target, config, layer_ids=manifest.layer_ids, mask_token_id=mask_token_id,
                                         extra={"mask_token": mask_reason, "gamma": gamma})
     check_contract(manifest, target=target, drafter_config=drafter_config, source=str(train_dir / "manifest.json"))
-    drafter, init_note = _new_drafter(config, target, drafter_config)
+    drafter, init_note = new_drafter(config, target, drafter_config)
     drafter.to(device).train()
     head = load_target_head(target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     if config.train_vocab == "data":
