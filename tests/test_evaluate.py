@@ -1,5 +1,6 @@
 """Stage `evaluate`: metric definitions by hand, batched == one-block-at-a-time, lossless decoding."""
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from dflash_pipeline.engine import DecodeRun, EndToEndPrompt, drafter_proposer, 
 from dflash_pipeline.evaluate import check_drafter_contract, select_checkpoints, val_prompts
 from dflash_pipeline.scoring import (
     BlockScores,
+    _score_logits,
     acceptance_length,
     comparison_verdict,
     ddtree_streak,
@@ -65,16 +67,99 @@ def test_ddtree_streak_grows_with_budget_and_a_full_tree_finds_any_top_k_path():
         assert streaks[-1] == 3  # 3 + 9 + 27 = 39 nodes: the whole tree
 
 
-@pytest.mark.parametrize("ties", [False, True])
+def test_ddtree_equal_scores_pop_in_rank_path_order_like_the_reference():
+    # The DDTree reference (liranringel/ddtree, build_ddtree_tree) keys its heap by (-score, rank
+    # path): of two prefixes with equal scores, the one whose ranks (r1, r2, ...) come first in
+    # lexicographic order pops first. depth 1: a, b both 0.5; depth 2: c, d both 0.5; ranks a=0, b=1,
+    # c=0, d=1. Pops, with the rank path and the probability:
+    #   1: a   (0,)   .5    offers b (1,) .5 and a-c (0,0) .25
+    #   2: b   (1,)   .5    offers b-c (1,0) .25
+    #   3: a-c (0,0)  .25   offers a-d (0,1) .25, which now ties with b-c (1,0)
+    #   4: a-d (0,1)  .25   because (0,1) < (1,0); first-in-first-out would pop b-c, offered earlier
+    #   5: b-c (1,0)  .25,  6: b-d (1,1) .25
+    logprobs = [[LOG(0.5), LOG(0.5)], [LOG(0.5), LOG(0.5)]]
+    ids = [[10, 11], [20, 21]]
+    a, b, c, d = 10, 11, 20, 21
+    assert [ddtree_streak(logprobs, ids, [a, d], k) for k in (3, 4, 6)] == [1, 2, 2]
+    assert [ddtree_streak(logprobs, ids, [b, c], k) for k in (3, 4, 5)] == [1, 1, 2]
+    lockstep = ddtree_streaks(np.array([logprobs] * 2), np.array([ids] * 2), np.array([[a, d], [b, c]]), np.array([2, 2]), [3, 4, 5])
+    assert {k: v.tolist() for k, v in lockstep.items()} == {3: [1, 1], 4: [2, 1], 5: [2, 2]}
+
+
+def tree_by_global_order(logprobs, ids, reference, budget: int) -> int:
+    """The tie rule without a heap: every prefix of candidates (ranks r1..rj, 1 <= j <= depth) sorted
+    by summed log-prob descending, then rank path ascending; the tree of budget k is the first k."""
+    depth, width = len(logprobs), len(logprobs[0])
+    paths = [p for j in range(1, depth + 1) for p in itertools.product(range(width), repeat=j)]
+    paths.sort(key=lambda p: (-sum(logprobs[d][r] for d, r in enumerate(p)), p))
+    tree = {tuple(ids[d][r] for d, r in enumerate(p)) for p in paths[:budget]}
+    streak = 0
+    while streak < len(reference) and tuple(reference[: streak + 1]) in tree:
+        streak += 1
+    return streak
+
+
+def test_ddtree_streak_is_the_first_k_prefixes_in_score_then_rank_path_order():
+    rng = np.random.default_rng(11)
+    for depth, width in [(1, 3), (2, 2), (2, 4), (3, 3), (4, 2)]:
+        for _ in range(60):
+            logprobs = -np.sort(rng.integers(0, 3, size=(depth, width)), axis=-1) * 0.5  # heavy ties
+            ids = np.stack([rng.permutation(10)[:width] for _ in range(depth)])
+            reference = ids[np.arange(depth), rng.integers(0, width, depth)].tolist()
+            for budget in (1, 2, 3, 5, 8, 13):
+                expected = tree_by_global_order(logprobs.tolist(), ids.tolist(), reference, budget)
+                assert ddtree_streak(logprobs.tolist(), ids.tolist(), reference, budget) == expected, (logprobs, budget)
+
+
+def test_tree_candidates_are_ordered_by_logit_then_token_id_even_at_the_cut():
+    # torch.topk orders tied logits arbitrarily (differently for different k, and on CPU and CUDA);
+    # the rule takes tied tokens lowest id first, also when several tie at the width-th place and
+    # only some make the cut. Depth 1: eight tokens tie at the top; depth 2: token 3 is nearly sure.
+    # Budget 10 (width 10): depth 1 gives 3, 9, 17, 20, 33, 41, 50, 58 (ranks 0-7) then 0, 1 (logit 0).
+    # Pops: the eight tied first tokens (rank paths (0,) .. (7,)), then their children (r, 0) (all
+    # tied, a hair below), in rank order: 3-3, then 9-3; tokens 0 and 1 score below every child.
+    vocab, top = 64, [3, 9, 17, 20, 33, 41, 50, 58]
+    logits = torch.zeros(3, 2, vocab)
+    logits[:, 0, top] = 2.0
+    logits[:, 1, 3] = 10.0
+    labels = torch.tensor([[9, 3], [17, 3], [3, 3]])
+    valid = torch.ones(3, 2, dtype=torch.bool)
+    expected = {2: [1, 0, 1], 3: [1, 1, 1], 8: [1, 1, 1], 10: [2, 1, 2]}  # 2: {3, 9}; 3: {3, 9, 17}
+    correct, streaks = _score_logits(logits.clone(), labels, valid, list(expected))
+    assert correct.tolist() == [[False, True], [False, True], [True, True]]  # the argmax: lowest tied id
+    assert {k: v.tolist() for k, v in streaks.items()} == expected
+    for block in range(3):  # one block: the scalar tree
+        _, alone = _score_logits(logits[block : block + 1].clone(), labels[block : block + 1], valid[:1], list(expected))
+        assert {k: v.tolist() for k, v in alone.items()} == {k: [v[block]] for k, v in expected.items()}
+
+
+def test_tied_logits_score_the_same_one_block_at_a_time_and_in_lockstep():
+    # bf16-like coarse logits: many ties inside the top k and at its cut
+    generator = torch.Generator().manual_seed(4)
+    budgets = [1, 2, 4, 7]
+    logits = (torch.randn(200, 3, 12, generator=generator) * 1.5).round()
+    labels = torch.where(torch.rand(200, 3, generator=generator) < 0.8, logits.argmax(-1), torch.randint(0, 12, (200, 3), generator=generator))
+    valid = torch.rand(200, 3, generator=generator) < 0.9
+    correct, streaks = _score_logits(logits.clone(), labels, valid, budgets)
+    assert np.array_equal(correct, ((logits.argmax(-1) == labels) & valid).numpy())
+    for block in range(200):
+        _, alone = _score_logits(logits[block : block + 1].clone(), labels[block : block + 1], valid[block : block + 1], budgets)
+        assert [alone[k][0] for k in budgets] == [streaks[k][block] for k in budgets], block
+    assert streaks[7].max() == 3
+
+
+@pytest.mark.parametrize("ties", ["none", "coarse", "heavy"])
 def test_lockstep_trees_of_many_blocks_equal_the_scalar_tree(ties):
     # The batched path grows every block's tree in lockstep; it must pop the same nodes, in the
     # same order, as the obvious heap, ties included (coarse log-probs make many equal scores).
-    rng = np.random.default_rng(5 + ties)
+    rng = np.random.default_rng(["none", "coarse", "heavy"].index(ties) + 5)
     budgets = [1, 2, 3, 5, 8, 20]
-    for depth, width in [(1, 1), (1, 4), (3, 1), (3, 3), (4, 6), (6, 2)]:
+    for depth, width in [(1, 1), (1, 4), (3, 1), (3, 3), (4, 6), (6, 2)] + [(7, 4), (5, 8)] * (ties == "heavy"):
         n = 300
-        if ties:
+        if ties == "coarse":
             logprobs = -rng.integers(0, 3, size=(n, depth, width)).astype(np.float64) * 0.5
+        elif ties == "heavy":  # two values per depth: equal scores across branches at every step
+            logprobs = -rng.integers(0, 2, size=(n, depth, width)).astype(np.float64) * rng.choice([0.5, 1.0], (n, depth, 1))
         else:
             logprobs = np.log(rng.dirichlet(np.ones(width + 3), size=(n, depth))[..., :width])
         logprobs = -np.sort(-logprobs, axis=-1)

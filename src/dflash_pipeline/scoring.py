@@ -47,29 +47,39 @@ def acceptance_length(correct: np.ndarray) -> np.ndarray:
 def ddtree_streak(logprobs, token_ids, reference: list[int], budget: int) -> int:
     """DDTree-k streak of one block.
 
-    logprobs / token_ids [D][K]: each drafted depth's K most probable tokens, best first. The tree
-    holds the `budget` most probable prefixes, grown best-first over the summed log-probs (each
-    pop adds a node, then offers its next sibling and its first child). The streak is how many
+    logprobs / token_ids [D][K]: each drafted depth's K best tokens in the tie rule's order below.
+    The tree holds the `budget` most probable prefixes, grown best-first over the summed log-probs
+    (each pop adds a node, then offers its next sibling and its first child). The streak is how many
     tree nodes the reference walk matches from the root: 0..min(budget, len(reference)).
+
+    Ties follow the DDTree reference (liranringel/ddtree, `build_ddtree_tree`), made deterministic:
+    - candidates: each depth's vocabulary ordered by fp32 logit descending, then token id ascending
+      (also for which tokens tied at the K-th place make the cut); a token's rank is its place there;
+    - a prefix's score is the sum of its fp32 log-probs in float64 (such sums are exact in practice,
+      so the reference's subtract-and-add sibling scores are the same numbers);
+    - of equal scores, the prefix whose rank path (r1, r2, ...) is lexicographically smaller pops
+      first (the reference's heap key is (-score, rank path); its torch.topk leaves tied ranks
+      unspecified, which the token-id order fixes).
+    Equivalently: the tree of budget k is the first k prefixes in (score desc, rank path asc) order,
+    so the top-K candidates serve every budget <= K.
     """
     depth, width = len(logprobs), len(logprobs[0]) if len(logprobs) else 0
     if budget <= 0 or depth == 0:
         return 0
     children: dict[int, dict[int, int]] = {}
-    # heap entries: (-score, tie-break order, depth, rank, parent node, parent score)
-    heap = [(-logprobs[0][0], 0, 0, 0, -1, 0.0)]
-    pushed, nodes = 1, 0
+    # heap entries: (-score, rank path, parent node, parent score); the path's length - 1 is the depth
+    heap = [(-logprobs[0][0], (0,), -1, 0.0)]
+    nodes = 0
     while heap and nodes < budget:
-        negative, _, d, rank, parent, parent_score = heapq.heappop(heap)
+        negative, path, parent, parent_score = heapq.heappop(heap)
+        d, rank = len(path) - 1, path[-1]
         node = nodes
         children.setdefault(parent, {})[token_ids[d][rank]] = node
         nodes += 1
         if rank + 1 < width:
-            heapq.heappush(heap, (-(parent_score + logprobs[d][rank + 1]), pushed, d, rank + 1, parent, parent_score))
-            pushed += 1
+            heapq.heappush(heap, (-(parent_score + logprobs[d][rank + 1]), path[:-1] + (rank + 1,), parent, parent_score))
         if d + 1 < depth:
-            heapq.heappush(heap, (negative - logprobs[d + 1][0], pushed, d + 1, 0, node, -negative))
-            pushed += 1
+            heapq.heappush(heap, (negative - logprobs[d + 1][0], path + (0,), node, -negative))
     streak, node = 0, -1
     for token in reference:
         node = children.get(node, {}).get(token)
@@ -101,8 +111,9 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
     logprobs [n, D, K] float64 and token_ids [n, D, K]: each depth's K best tokens, best first;
     reference [n, D]: the target's tokens, of which the first reference_length [n] count.
     The same best-first growth as `ddtree_streak`, run for all blocks in lockstep, ties broken
-    the same way (by push order). Pops come in the same order whatever the budget, so one growth
-    to the largest budget serves them all: the tree of budget k is the first k pops.
+    the same way (the lexicographically smallest rank path of the best-scoring entries). Pops come
+    in the same order whatever the budget, so one growth to the largest budget serves them all:
+    the tree of budget k is the first k pops.
     """
     n, depth, width = logprobs.shape
     top = max([0, *budgets])
@@ -117,15 +128,18 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
     node_depth = np.zeros((n, capacity), dtype=np.int64)
     node_rank = np.zeros((n, capacity), dtype=np.int64)
     parent = np.full((n, capacity), -1, dtype=np.int64)
-    alive[:, 0], score[:, 0] = True, logprobs[:, 0, 0]
+    path = np.full((n, capacity, depth), -1, dtype=np.int64)  # rank path, -1 past the node's depth
+    alive[:, 0], score[:, 0], path[:, 0, 0] = True, logprobs[:, 0, 0], 0
     pushed = np.ones(n, dtype=np.int64)
     on_path = np.zeros((n, top), dtype=bool)  # pop t is a node of the reference walk
 
-    def push(which, entry_score, entry_parent_score, entry_depth, entry_rank, entry_parent):
+    def push(which, entry_score, entry_parent_score, entry_depth, entry_rank, entry_parent, entry_path):
         chosen = rows[which]
         slot = pushed[chosen]
         alive[chosen, slot], score[chosen, slot], parent_score[chosen, slot] = True, entry_score[which], entry_parent_score[which]
         node_depth[chosen, slot], node_rank[chosen, slot], parent[chosen, slot] = entry_depth[which], entry_rank[which], entry_parent[which]
+        path[chosen, slot] = entry_path[which]
+        path[chosen, slot, entry_depth[which]] = entry_rank[which]
         pushed[chosen] += 1
 
     for step in range(top):
@@ -134,17 +148,26 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
             break  # every tree is complete (a tiny vocabulary)
         masked = np.where(alive, score, -np.inf)
         best = masked.max(axis=1, keepdims=True)
-        pick = np.argmax(alive & (masked == best), axis=1)  # slots are in push order: the first is the heap's pick
+        candidates = alive & (masked == best)
+        pick = np.argmax(candidates, axis=1)
+        tied = np.flatnonzero(candidates.sum(axis=1) > 1)
+        if tied.size:  # equal scores: the smallest rank path, compared depth by depth
+            among = candidates[tied]
+            for level in range(depth):
+                ranks = np.where(among, path[tied, :, level], np.iinfo(np.int64).max)
+                among &= ranks == ranks.min(axis=1, keepdims=True)
+            pick[tied] = np.argmax(among, axis=1)  # rank paths are distinct: one is left
         d, r, p = node_depth[rows, pick], node_rank[rows, pick], parent[rows, pick]
         s, ps = score[rows, pick], parent_score[rows, pick]
+        popped_path = path[rows, pick]
         alive[rows, pick] &= ~popped
         parent_on_path = np.where(p < 0, True, on_path[rows, np.maximum(p, 0)])
         matches = token_ids[rows, d, r] == reference[rows, d]
         on_path[:, step] = popped & parent_on_path & (d < reference_length) & matches
         sibling = np.minimum(r + 1, width - 1)
-        push(popped & (r + 1 < width), ps + logprobs[rows, d, sibling], ps, d, r + 1, p)
+        push(popped & (r + 1 < width), ps + logprobs[rows, d, sibling], ps, d, r + 1, p, popped_path)
         child = np.minimum(d + 1, depth - 1)
-        push(popped & (d + 1 < depth), s + logprobs[rows, child, 0], s, d + 1, np.zeros_like(r), np.full_like(p, step))
+        push(popped & (d + 1 < depth), s + logprobs[rows, child, 0], s, d + 1, np.zeros_like(r), np.full_like(p, step), popped_path)
     reached = np.cumsum(on_path, axis=1)
     for budget in budgets:
         if budget > 0:
@@ -157,13 +180,32 @@ def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
 
     The log-sum-exp the tree needs is taken in place: a fresh vocabulary-sized tensor per chunk
     costs more in page faults than the arithmetic. One block (the reference loop) walks the
-    obvious scalar tree; many blocks take the lockstep `ddtree_streaks`.
+    obvious scalar tree; many blocks take the lockstep `ddtree_streaks`. The tree's candidates are
+    each slot's top max(budgets) tokens in `ddtree_streak`'s order (logit descending, then token id
+    ascending, also at the cut), which torch.topk leaves unspecified among tied logits.
     """
     if not budgets:
         return ((logits.argmax(-1).cpu() == labels) & valid).numpy(), {}
     logits = logits.float()  # a bf16 head's logits (GPU) are scored in fp32, in a copy
-    values, ids = logits.topk(min(max(budgets), logits.shape[-1]), dim=-1)
-    correct = (ids[..., 0].cpu() == labels) & valid
+    vocab = logits.shape[-1]
+    width = min(max(budgets), vocab)
+    values, ids = logits.topk(min(width + 1, vocab), dim=-1)
+    if width < vocab:  # the (width+1)-th value shows whether a tie straddles the cut
+        cut = values[..., width - 1]
+        straddles = values[..., width] == cut
+        values, ids = values[..., :width], ids[..., :width]
+        if straddles.any():  # there the tokens equal to the cut value with the lowest ids make it
+            at_cut = (values == cut[..., None]) & straddles[..., None]  # the tail of a straddling row
+            tied = logits == torch.where(straddles, cut, torch.nan)[..., None]  # bool [.., V]: NaN matches nothing
+            row, token = tied.flatten(0, -2).nonzero(as_tuple=True)  # row-major: ids ascending in a row
+            first = torch.searchsorted(row, torch.arange(tied.shape[:-1].numel(), device=row.device))
+            need = at_cut.flatten(0, -2).sum(-1)
+            ids[at_cut] = token[torch.arange(row.numel(), device=row.device) - first[row] < need[row]]
+    # tied values inside the selection: ascending token id (sort by id, then a stable sort by value)
+    ids, order = ids.sort(dim=-1)
+    values, order = values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    correct = (ids[..., 0].cpu() == labels) & valid  # the argmax (the lowest id among tied maxima)
     top1 = values[..., :1]
     lse = logits.sub_(top1).exp_().sum(-1, keepdim=True).log_().add_(top1)
     logprobs, ids = (values - lse).cpu().double().numpy(), ids.cpu().numpy()
