@@ -1,14 +1,30 @@
-"""Stage `target`: resolution, fast failures, fingerprints, and the embedded default's conversion."""
+"""Stage `target`: resolution, fast failures, fingerprints, config spellings, and the embedded default's conversion."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from conftest import REPO_ROOT, run
 from dflash_pipeline.config import TargetConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.target import TargetInfo, fingerprint_target, prepare_target
+from dflash_pipeline.target import (
+    CONVERSION_VERSION,
+    TargetInfo,
+    _reusable_conversion,
+    fingerprint_target,
+    forward_fields,
+    prepare_target,
+    with_both_spellings,
+)
+
+# The fields of config.json that change the forward pass, as the embedded SmolLM2 GGUF defines them.
+EMBEDDED_FORWARD = {"rope_theta": 100000.0, "rope_scaling": {"rope_type": "default"}, "partial_rotary_factor": 1.0,
+                    "rms_norm_eps": 9.999999747378752e-06, "tie_word_embeddings": True, "vocab_size": 49152,
+                    "dtype": "float32"}
+# What transformers 4.x names differently; dropping these leaves what 5.x wrote before the fix.
+OLD_SPELLINGS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
 
 
 def test_local_folder_is_referenced_not_copied(tiny_llama_dir, tmp_path):
@@ -81,18 +97,147 @@ def test_stage_command_prints_one_error_line_and_exits_1(tmp_path):
                                                   "and not the embedded 'smollm2-135m-instruct'"]
 
 
+def tiny_with_config(source, folder, edit):
+    """A copy of the tiny model `source` at `folder` whose config.json is `edit(config)`."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(edit(config), indent=2))
+    return folder
+
+
+def config_as_5x_reads_it(config: dict, folder):
+    """`config` as transformers 5 loads it (from `folder`/config.json), minus where it was loaded from."""
+    from transformers import AutoConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = AutoConfig.from_pretrained(folder).to_dict()
+    loaded.pop("_name_or_path", None)
+    return loaded
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 100000.0},
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+])
+def test_both_spellings_read_the_same_under_4x_and_5x_and_change_nothing_5x_reads(tiny_llama_dir, tmp_path, rope_parameters):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    only_5x = tiny_with_config(tiny_llama_dir, tmp_path / "only-5x", lambda config: {**config, "rope_parameters": rope_parameters})
+    assert forward_fields(json.loads((only_5x / "config.json").read_text()), reader="4.x")["rope_theta"] == 10000.0
+    both = tiny_with_config(only_5x, tmp_path / "both", lambda config: with_both_spellings(config, where=only_5x / "config.json"))
+    config = json.loads((both / "config.json").read_text())
+    old, new = forward_fields(config, reader="4.x"), forward_fields(config, reader="5.x")
+    assert old == new
+    assert (old["rope_theta"], old["rope_scaling"]["rope_type"]) == (rope_parameters["rope_theta"], rope_parameters["rope_type"])
+    assert (old["rms_norm_eps"], old["tie_word_embeddings"], old["vocab_size"], old["dtype"]) == (1e-6, True, 49152, "float32")
+    # transformers 5 reads exactly what it read before the 4.x spellings were added: same config, same logits.
+    only_5x_config = json.loads((only_5x / "config.json").read_text())
+    assert config_as_5x_reads_it(config, tmp_path / "read-both") == config_as_5x_reads_it(only_5x_config, tmp_path / "read-5x")
+    ids = torch.tensor([[1, 200, 3000, 45000, 7, 2]])
+    with torch.inference_mode():
+        logits = [AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids).logits for folder in (only_5x, both)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
+def _theta(config, value):
+    return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": value}}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: {**_theta(c, 100000.0), "rope_theta": 10000.0},
+     "rope_theta (10000.0) and rope_parameters.rope_theta (100000.0) disagree"),
+    (lambda c: _theta(c, 100000.0), "transformers 4.x reads rope_theta as 10000.0 (from rope_theta, absent) but 5.x as 100000.0"),
+    (lambda c: {**_theta(c, 10000.0), "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_scaling ({'rope_type': 'linear', 'factor': 2.0}) and rope_parameters ({'rope_type': 'default'}) disagree"),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+     "transformers 4.x reads rope_scaling as {'rope_type': 'default'} (from rope_scaling, absent)"),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+     "transformers 4.x reads partial_rotary_factor as 1.0"),
+    (lambda c: {**c, "torch_dtype": "bfloat16"}, "torch_dtype ('bfloat16') and dtype ('float32') disagree"),
+], ids=["theta-both-differ", "theta-only-5x", "scaling-vs-parameters", "scaling-only-5x", "rotary-fraction-only-5x", "dtype"])
+def test_user_folder_whose_4x_and_5x_spellings_disagree_is_refused(tiny_llama_dir, tmp_path, edit, message):
+    folder = tiny_with_config(tiny_llama_dir, tmp_path / "model", edit)
+    with pytest.raises(PipelineError) as error:
+        prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")
+    text = str(error.value)
+    assert text.startswith(f"{folder.resolve() / 'config.json'}: ") and message in text and "\n" not in text
+    assert not (tmp_path / "t" / "target.json").exists()
+
+
+@pytest.mark.parametrize("edit", [
+    # What most hub folders hold today: the 4.x spelling only, which 5.x falls back to.
+    lambda c: {**{k: v for k, v in c.items() if k not in ("rope_parameters", "dtype")},
+               "rope_theta": 100000.0, "rope_scaling": None, "torch_dtype": "float32"},
+    lambda c: with_both_spellings(_theta(c, 100000.0), where=Path("config.json")),
+    lambda c: {**c, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 10000.0,
+               "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+], ids=["4x-only", "both-spellings", "legacy-type-key"])
+def test_user_folder_that_reads_the_same_under_4x_and_5x_is_accepted(tiny_llama_dir, tmp_path, edit):
+    folder = tiny_with_config(tiny_llama_dir, tmp_path / "model", edit)
+    assert prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")["num_layers"] == 4
+
+
+def test_conversion_from_older_code_is_not_reused(tmp_path):
+    """A folder stamped by the conversion before both spellings existed is converted again."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    only_5x = {"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "dtype": "float32", "vocab_size": 49152}
+    stamp = {"source": "x.gguf", "gguf_sha256": "abc", "dtype": "float32"}
+
+    def reusable(config, stamp):
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "conversion.json").write_text(json.dumps(stamp))
+        return _reusable_conversion(folder, "abc")
+
+    current = {**stamp, "conversion_version": CONVERSION_VERSION, "transformers_version": "5.24.0"}
+    both = with_both_spellings(only_5x, where=folder / "config.json")
+    assert reusable(both, current)
+    assert not reusable(only_5x, stamp)                # the old code's folder
+    assert not reusable(both, stamp)                   # an old stamp, even on a config patched by hand
+    assert not reusable(only_5x, current)              # the 4.x spellings edited away
+    assert not reusable(both, {**current, "gguf_sha256": "other"})
+
+
+@pytest.fixture(scope="module")
+def embedded_target(tmp_path_factory):
+    """The embedded default converted once for this module's slow tests: (target folder, target.json content)."""
+    out_dir = tmp_path_factory.mktemp("embedded") / "target"
+    return out_dir, prepare_target(TargetConfig(), out_dir=out_dir)
+
+
 @pytest.mark.slow
-def test_embedded_default_converts_to_identical_logits(tmp_path):
+def test_embedded_conversion_reads_the_same_under_transformers_4x_and_5x(embedded_target, tmp_path):
+    """transformers 4.x reads rope_theta at the top level only; without it, it loads RoPE base 10000."""
+    import transformers
+
+    out_dir, _ = embedded_target
+    model_dir = out_dir / "model"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert forward_fields(config, reader="4.x") == EMBEDDED_FORWARD
+    assert forward_fields(config, reader="5.x") == EMBEDDED_FORWARD
+    assert (config["rope_theta"], config["rope_scaling"], config["torch_dtype"]) == (100000.0, None, "float32")
+    stamp = json.loads((model_dir / "conversion.json").read_text())
+    assert stamp["conversion_version"] == CONVERSION_VERSION
+    assert stamp["transformers_version"] == config["transformers_version"] == transformers.__version__
+    # Adding the 4.x spellings changed nothing transformers 5 reads.
+    only_5x = {key: value for key, value in config.items() if key not in OLD_SPELLINGS}
+    assert config_as_5x_reads_it(config, tmp_path / "both") == config_as_5x_reads_it(only_5x, tmp_path / "only-5x")
+
+
+@pytest.mark.slow
+def test_embedded_default_converts_to_identical_logits(embedded_target):
     """The fp32 conversion of the GGUF gives the GGUF-loaded model's logits exactly (tolerance 0)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from dflash_pipeline.target import embedded_gguf_path, load_target
 
-    info = prepare_target(TargetConfig(), out_dir=tmp_path / "target")
+    out_dir, info = embedded_target
     assert (info["model"], info["num_layers"], info["hidden_size"], info["vocab_size"]) == ("smollm2-135m-instruct", 30, 576, 49152)
     assert info["path"] == "model" and info["eos_token_ids"] == [2]
-    converted, tokenizer = load_target(TargetInfo.from_json(tmp_path / "target" / "target.json"))
+    converted, tokenizer = load_target(TargetInfo.from_json(out_dir / "target.json"))
     gguf = embedded_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Write fizzbuzz in Python."}], tokenize=False, add_generation_prompt=True)
@@ -101,7 +246,7 @@ def test_embedded_default_converts_to_identical_logits(tmp_path):
         expected, actual = reference(ids).logits, converted(ids).logits
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     # A second run reuses the conversion (its stamp matches) and writes the same fingerprint.
-    stamp_mtime = (tmp_path / "target" / "model" / "model.safetensors").stat().st_mtime_ns
-    again = prepare_target(TargetConfig(), out_dir=tmp_path / "target")
+    stamp_mtime = (out_dir / "model" / "model.safetensors").stat().st_mtime_ns
+    again = prepare_target(TargetConfig(), out_dir=out_dir)
     assert again == info
-    assert (tmp_path / "target" / "model" / "model.safetensors").stat().st_mtime_ns == stamp_mtime
+    assert (out_dir / "model" / "model.safetensors").stat().st_mtime_ns == stamp_mtime
