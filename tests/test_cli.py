@@ -246,6 +246,13 @@ def test_evaluate_bad_input_is_one_line(tiny, tiny_qwen3_dir, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     (other / PROVENANCE_FILE).unlink()
     assert_one_line_error(invoke("evaluate", other, "--target", tiny.target_json, *common), "target_layer_ids is [0, 2]", "[1, 3]")
+    # An export of a drafter trained for another target: its provenance names that target.
+    foreign = shutil.copytree(tiny.export, tmp_path / "foreign")
+    provenance = json.loads((foreign / PROVENANCE_FILE).read_text())
+    provenance["source"]["target_fingerprint"] = "f" * 64
+    (foreign / PROVENANCE_FILE).write_text(json.dumps(provenance))
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, foreign, "--target", tiny.target_json, *common),
+                          f"foreign/{PROVENANCE_FILE}", "source.target_fingerprint ffffffffffff", "is not this target's")
     assert_one_line_error(invoke("evaluate", tiny.val, "--target", tiny.target_json, *common), "pass it as --shards")
     not_parquet = tiny.val / "manifest.json"
     assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny.target_json, "--prompts", not_parquet, *common),

@@ -9,15 +9,8 @@ import pytest
 from conftest import REPO_ROOT, run
 from dflash_pipeline.config import TargetConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.target import (
-    CONVERSION_VERSION,
-    TargetInfo,
-    _reusable_conversion,
-    fingerprint_target,
-    forward_fields,
-    prepare_target,
-    with_both_spellings,
-)
+from dflash_pipeline.hf_folder import forward_fields, with_both_spellings
+from dflash_pipeline.target import CONVERSION_VERSION, TargetInfo, _reusable_conversion, fingerprint_target, prepare_target
 
 # The fields of config.json that change the forward pass, as the embedded SmolLM2 GGUF defines them.
 EMBEDDED_FORWARD = {"rope_theta": 100000.0, "rope_scaling": {"rope_type": "default"}, "partial_rotary_factor": 1.0,

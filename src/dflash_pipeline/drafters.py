@@ -8,7 +8,8 @@ token absent from the data; the weights are random or the target's top layers (`
 from dflash_pipeline.config import TrainConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-from dflash_pipeline.target import TargetInfo, read_target_tensors
+from dflash_pipeline.hf_folder import read_tensors
+from dflash_pipeline.target import TargetInfo
 
 
 def choose_mask_token(target: TargetInfo, used_ids: set[int]) -> tuple[int, str]:
@@ -68,7 +69,7 @@ def init_from_target_layers(drafter: DFlashDrafter, target: TargetInfo) -> list[
              "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
     for source in source_layers:
         wanted += [f"layers.{source}.{name}" for name in names]
-    tensors = read_target_tensors(target.path, wanted)
+    tensors = read_tensors(target.path, wanted)
     state = drafter.state_dict()
     for own_index, source in enumerate(source_layers):
         for name in names:
@@ -86,7 +87,7 @@ def new_drafter(config: TrainConfig, target: TargetInfo, drafter_config: Drafter
         return drafter, "random"
     note = f"target layers {init_from_target_layers(drafter, target)} and final norm"
     # The frozen head reads what the target's final norm produces; start the drafter's there.
-    final_norm = read_target_tensors(target.path, ["norm.weight"]).get("norm.weight")
+    final_norm = read_tensors(target.path, ["norm.weight"]).get("norm.weight")
     if final_norm is not None and final_norm.shape == drafter.norm.weight.shape:
         drafter.norm.weight.data.copy_(final_norm.float())
     return drafter, note

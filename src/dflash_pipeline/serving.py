@@ -27,7 +27,8 @@ import torch
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, write_json_atomic
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-from dflash_pipeline.target import build_target_layer_ids, weight_files
+from dflash_pipeline.hf_folder import weight_files
+from dflash_pipeline.target import build_target_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
 MODEL_TYPE = "qwen3"  # what z-lab's released drafters declare: the layers are Qwen3 layers

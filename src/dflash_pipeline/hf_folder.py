@@ -1,0 +1,207 @@
+"""A Hugging Face model folder read as files, without loading the model: config.json's two
+spellings and the safetensors weights.
+
+transformers 4.x and 5.x spell some config fields that change the forward differently: the RoPE
+base and scaling (top-level rope_theta / rope_scaling in 4.x, rope_parameters in 5.x) and the
+dtype (torch_dtype / dtype). A reader that finds only the other spelling falls back to a default
+without a word, and so loads another model. `forward_fields` reads a config as each version does,
+`spelling_conflict` says where they would differ, `with_both_spellings` writes both.
+
+`weight_files` is the one place that knows how a folder lays out its safetensors weights (one
+file, or shards named by model.safetensors.index.json); `read_tensors` reads a few tensors alone.
+"""
+
+from pathlib import Path
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import read_json
+
+# The RoPE base transformers 4.x and 5.x assume when a config names none (a few model classes set their own).
+DEFAULT_ROPE_THETA = 10_000.0
+# Keys of a RoPE spec that are not the scaling method: the base and the rotary fraction have their
+# own top-level spellings in 4.x, and "type" is the older spelling of "rope_type".
+_ROPE_SPEC_EXTRAS = {"rope_theta", "partial_rotary_factor", "type", "rope_type"}
+# Each field whose 4.x and 5.x spellings differ: (4.x spelling, 5.x spelling), as messages name them.
+_SPELLINGS = {
+    "rope_theta": ("rope_theta", "rope_parameters.rope_theta"),
+    "rope_scaling": ("rope_scaling", "rope_parameters"),
+    "partial_rotary_factor": ("partial_rotary_factor", "rope_parameters.partial_rotary_factor"),
+    "dtype": ("torch_dtype", "dtype"),
+}
+
+
+def _given(config: dict, key: str):
+    """`config[key]`, with an explicit null read as absent (the readers then use their defaults)."""
+    return config.get(key) if isinstance(config, dict) else None
+
+
+def _rope_method(spec: dict | None) -> dict:
+    """The scaling method of a RoPE spec (rope_scaling or rope_parameters), in one canonical form."""
+    spec = spec if isinstance(spec, dict) else {}
+    method = {key: value for key, value in spec.items() if key not in _ROPE_SPEC_EXTRAS}
+    return {"rope_type": spec.get("rope_type", spec.get("type", "default")), **dict(sorted(method.items()))}
+
+
+def _is_per_layer_type(rope_parameters) -> bool:
+    # 5.x nests one spec per layer type (Gemma-style); 4.x spells those with model-specific keys.
+    return isinstance(rope_parameters, dict) and any(isinstance(value, dict) for value in rope_parameters.values())
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def forward_fields(config: dict, *, reader: str) -> dict:
+    """The config values that change a forward pass, as transformers `reader` ("4.x" or "5.x") reads them.
+
+    4.x reads the RoPE base and rotary fraction from the top level only (default 10000.0 and 1.0)
+    and the method from rope_scaling; it never looks at rope_parameters. 5.x (as of 5.24) lets a
+    non-null rope_scaling replace rope_parameters, then takes the base and fraction from that spec
+    and only then from the top level. For the dtype, 4.x releases before the rename to dtype (4.56)
+    read torch_dtype only, while 4.56+ prefer dtype like 5.x; torch_dtype stands first here. Per-layer-type RoPE
+    (nested rope_parameters) has model-specific 4.x keys and is not modelled: its RoPE fields read
+    None under both readers.
+    """
+    if reader == "4.x":
+        spec = _given(config, "rope_scaling")
+        theta = _given(config, "rope_theta")
+        fraction = _given(config, "partial_rotary_factor")
+        dtype = _given(config, "torch_dtype") or _given(config, "dtype")
+    elif reader == "5.x":
+        spec = _given(config, "rope_scaling") or _given(config, "rope_parameters") or {}
+        theta = spec.get("rope_theta") if isinstance(spec, dict) else None
+        theta = theta if theta is not None else _given(config, "rope_theta")
+        fraction = spec.get("partial_rotary_factor") if isinstance(spec, dict) else None
+        fraction = fraction if fraction is not None else _given(config, "partial_rotary_factor")
+        dtype = _given(config, "dtype") or _given(config, "torch_dtype")
+    else:
+        raise ValueError(f"reader must be '4.x' or '5.x', not {reader!r}")
+    fields = {
+        "rope_theta": float(theta if theta is not None else DEFAULT_ROPE_THETA),
+        "rope_scaling": _rope_method(spec),
+        "partial_rotary_factor": float(fraction if fraction is not None else 1.0),
+        "rms_norm_eps": _given(config, "rms_norm_eps"),
+        "tie_word_embeddings": _given(config, "tie_word_embeddings"),
+        "vocab_size": _given(config, "vocab_size"),
+        "dtype": _dtype_name(dtype),
+    }
+    if _is_per_layer_type(_given(config, "rope_parameters")):
+        fields.update(rope_theta=None, rope_scaling=None, partial_rotary_factor=None)
+    return fields
+
+
+def spelling_conflict(config: dict) -> str | None:
+    """Why transformers 4.x and 5.x would load `config` as different models, or None if they agree.
+
+    Two spellings that are both present must agree even where 4.57 and 5.24 happen to read the
+    same one (5.24 prefers a non-null rope_scaling over rope_parameters): readers that take
+    rope_parameters first, as 5.x documents, would compute another forward. A spelling that is
+    absent counts only where the two readers then fall back to different values, e.g. a non-default
+    rope_parameters.rope_theta with no top-level rope_theta, which 4.x reads as 10000.0.
+    """
+    scopes = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        scopes.append(("text_config.", config["text_config"]))
+    for prefix, scope in scopes:
+        parameters = _given(scope, "rope_parameters")
+        nested = _is_per_layer_type(parameters)
+        parameters = parameters if isinstance(parameters, dict) and not nested else {}
+        pairs = [
+            ("dtype", _dtype_name(_given(scope, "torch_dtype")), _dtype_name(_given(scope, "dtype"))),
+            ("rope_theta", _given(scope, "rope_theta"), parameters.get("rope_theta")),
+            ("partial_rotary_factor", _given(scope, "partial_rotary_factor"), parameters.get("partial_rotary_factor")),
+            # A null rope_scaling is 4.x's plain RoPE, so it is compared as soon as the key is there.
+            ("rope_scaling", _rope_method(scope["rope_scaling"]) if "rope_scaling" in scope else None,
+             _rope_method(parameters) if parameters else None),
+        ]
+        for field, old, new in pairs:
+            if old is not None and new is not None and old != new:
+                old_name, new_name = _SPELLINGS[field]
+                return (f"{prefix}{old_name} ({old!r}) and {prefix}{new_name} ({new!r}) disagree; "
+                        "transformers 4.x and 5.x would load different models, so give both the same value")
+        old_reading, new_reading = forward_fields(scope, reader="4.x"), forward_fields(scope, reader="5.x")
+        for field, (old_name, new_name) in _SPELLINGS.items():
+            if old_reading[field] != new_reading[field]:
+                absent = "" if old_name in scope else ", absent"
+                return (f"transformers 4.x reads {prefix}{field} as {old_reading[field]!r} (from {prefix}{old_name}{absent}) "
+                        f"but 5.x as {new_reading[field]!r} (from {prefix}{new_name}); write both spellings with the same value")
+    return None
+
+
+def check_config_spellings(model_dir: Path) -> None:
+    """Refuse a model folder whose config.json transformers 4.x and 5.x would read as different models."""
+    config_path = model_dir / "config.json"
+    config = read_json(config_path, missing="not found")
+    if not isinstance(config, dict):
+        raise PipelineError(f"{config_path}: not a JSON object")
+    conflict = spelling_conflict(config)
+    if conflict:
+        raise PipelineError(f"{config_path}: {conflict}")
+
+
+def with_both_spellings(config: dict, *, where: Path) -> dict:
+    """`config` as transformers 5 writes it, plus the 4.x spelling of every field 4.x names differently.
+
+    The values 5.x reads stay the same: a null rope_scaling leaves rope_parameters in charge, and a
+    non-null one (a scaled RoPE) carries the same method while the top-level rope_theta supplies the
+    base 5.x then looks for. torch_dtype is ignored by 5.x when dtype is set.
+    """
+    spelled = dict(config)
+    parameters = _given(config, "rope_parameters")
+    if parameters:
+        if _is_per_layer_type(parameters):
+            raise PipelineError(f"{where}: rope_parameters is per layer type; transformers 4.x has no generic spelling for it")
+        spelled["rope_theta"] = parameters.get("rope_theta", DEFAULT_ROPE_THETA)
+        method = _rope_method(parameters)
+        spelled["rope_scaling"] = None if method == {"rope_type": "default"} else method
+        if parameters.get("partial_rotary_factor") is not None:
+            spelled["partial_rotary_factor"] = parameters["partial_rotary_factor"]
+    if _given(config, "dtype") is not None:
+        spelled["torch_dtype"] = config["dtype"]
+    if isinstance(config.get("text_config"), dict):
+        spelled["text_config"] = with_both_spellings(config["text_config"], where=where)
+    return spelled
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the shard index, else from every file's header.
+
+    The one place that knows how a Hugging Face folder lays out its safetensors weights; a missing
+    index shard or a folder without weights is one line naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index, missing="unreadable").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise PipelineError(f"{index}: no weight_map")
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"{model_dir}: no safetensors weights")
+    names = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                names.update({name: file for name in handle.keys()})
+        except SafetensorError as exc:
+            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+    return names
+
+
+def read_tensors(model_dir: Path, suffixes: list[str]) -> dict:
+    """Only the named tensors (matched by name suffix), read from a model folder's weight files."""
+    from safetensors import safe_open
+
+    names = weight_files(model_dir)
+    found = {}
+    for suffix in suffixes:
+        matches = sorted(n for n in names if n == suffix or n.endswith("." + suffix))
+        if matches:
+            if not names[matches[0]].is_file():
+                raise PipelineError(f"{model_dir}/model.safetensors.index.json: names {names[matches[0]].name}, which does not exist")
+            with safe_open(names[matches[0]], framework="pt") as handle:
+                found[suffix] = handle.get_tensor(matches[0])
+    return found
