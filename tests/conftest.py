@@ -30,16 +30,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer_dir(tmp_path_factory) -> Path:
-    """The real SmolLM2 tokenizer (vocabulary and chat template), read from the embedded GGUF."""
+def smollm2_gguf_tokenizer():
+    """The real SmolLM2 tokenizer (vocabulary and chat template), loaded from the embedded GGUF."""
     from transformers import AutoTokenizer
 
     from dflash_pipeline.target import embedded_gguf_path
 
     gguf = embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf_tokenizer) -> Path:
+    """The real SmolLM2 tokenizer, read from the embedded GGUF and saved as transformers saves it."""
     folder = tmp_path_factory.mktemp("smollm2-tokenizer")
-    tokenizer.save_pretrained(folder)
+    smollm2_gguf_tokenizer.save_pretrained(folder)
     return folder
 
 

@@ -9,7 +9,9 @@ import pytest
 from conftest import REPO_ROOT, run
 from dflash_pipeline.config import TargetConfig
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.generate import render_prompt
 from dflash_pipeline.hf_folder import forward_fields, with_both_spellings
+from dflash_pipeline.prompts import read_prompts
 from dflash_pipeline.target import CONVERSION_VERSION, TargetInfo, _reusable_conversion, fingerprint_target, prepare_target
 
 # The fields of config.json that change the forward pass, as the embedded SmolLM2 GGUF defines them.
@@ -18,6 +20,12 @@ EMBEDDED_FORWARD = {"rope_theta": 100000.0, "rope_scaling": {"rope_type": "defau
                     "dtype": "float32"}
 # What transformers 4.x names differently; dropping these leaves what 5.x wrote before the fix.
 OLD_SPELLINGS = ("rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype")
+# tokenizer_class values that transformers 4.57's AutoTokenizer resolves to a fast tokenizer built
+# from tokenizer.json: "PreTrainedTokenizerFast" (its tokenizer_class_from_name returns that class
+# by name) and the GPT2 classes (listed in its TOKENIZER_MAPPING_NAMES; the hub's SmolLM2 names
+# GPT2Tokenizer). 5.x's "TokenizersBackend" is not one: 4.57.1 raises "Tokenizer class
+# TokenizersBackend does not exist or is not currently imported".
+TOKENIZER_CLASSES_4X_KNOWS = ("PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast")
 
 
 def test_local_folder_is_referenced_not_copied(tiny_llama_dir, tmp_path):
@@ -178,19 +186,76 @@ def test_conversion_from_older_code_is_not_reused(tmp_path):
     folder.mkdir()
     only_5x = {"rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}, "dtype": "float32", "vocab_size": 49152}
     stamp = {"source": "x.gguf", "gguf_sha256": "abc", "dtype": "float32"}
+    tokenizer_5x = {"backend": "tokenizers", "eos_token": "<|im_end|>", "tokenizer_class": "TokenizersBackend"}
+    tokenizer_both = {**tokenizer_5x, "tokenizer_class": "PreTrainedTokenizerFast"}
 
-    def reusable(config, stamp):
+    def reusable(config, stamp, tokenizer_config=tokenizer_both):
         (folder / "config.json").write_text(json.dumps(config))
         (folder / "conversion.json").write_text(json.dumps(stamp))
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
         return _reusable_conversion(folder, "abc")
 
     current = {**stamp, "conversion_version": CONVERSION_VERSION, "transformers_version": "5.24.0"}
     both = with_both_spellings(only_5x, where=folder / "config.json")
     assert reusable(both, current)
-    assert not reusable(only_5x, stamp)                # the old code's folder
-    assert not reusable(both, stamp)                   # an old stamp, even on a config patched by hand
+    assert not reusable(only_5x, stamp, tokenizer_5x)  # the first conversion's folder
+    assert not reusable(both, {**current, "conversion_version": 2}, tokenizer_5x)  # the second's
+    assert not reusable(both, stamp)                   # an old stamp, even on files patched by hand
     assert not reusable(only_5x, current)              # the 4.x spellings edited away
+    assert not reusable(both, current, tokenizer_5x)   # the tokenizer class 4.x knows edited away
     assert not reusable(both, {**current, "gguf_sha256": "other"})
+
+
+def test_tokenizer_config_is_respelled_for_4x_and_a_class_it_cannot_vouch_for_is_refused(tmp_path):
+    from dflash_pipeline.hf_folder import tokenizer_config_conflict, tokenizer_config_for_both
+
+    where = tmp_path / "tokenizer_config.json"
+    written_by_5x = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "eos_token": "<|im_end|>",
+                     "extra_special_tokens": ["<file_sep>"], "is_local": True, "local_files_only": True}
+    assert tokenizer_config_conflict(written_by_5x)
+    both = tokenizer_config_for_both(written_by_5x, where=where)
+    assert both == {"additional_special_tokens": ["<file_sep>"], "backend": "tokenizers", "eos_token": "<|im_end|>",
+                    "tokenizer_class": "PreTrainedTokenizerFast"}
+    assert list(both) == sorted(both) and tokenizer_config_conflict(both) is None
+    assert both["tokenizer_class"] in TOKENIZER_CLASSES_4X_KNOWS
+    with pytest.raises(PipelineError, match="tokenizer_class 'LlamaTokenizer'"):
+        tokenizer_config_for_both({**written_by_5x, "tokenizer_class": "LlamaTokenizer"}, where=where)
+
+
+def check_tokenizer_folder_as_gguf(folder: Path, gguf_tokenizer, prompts_file: Path) -> None:
+    """`folder`'s tokenizer names a class 4.x knows and, loaded by transformers (5.x here), renders
+    every prompt to the GGUF tokenizer's ids, with the same special tokens, added tokens and length."""
+    from transformers import AutoTokenizer
+
+    tokenizer_class = json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
+    assert tokenizer_class in TOKENIZER_CLASSES_4X_KNOWS
+    loaded = AutoTokenizer.from_pretrained(folder)
+    for name in ("all_special_ids", "all_special_tokens", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
+                 "chat_template"):
+        assert getattr(loaded, name) == getattr(gguf_tokenizer, name), name
+    assert len(loaded) == len(gguf_tokenizer) == 49152
+    assert {i: (str(t), t.special) for i, t in loaded.added_tokens_decoder.items()} == \
+           {i: (str(t), t.special) for i, t in gguf_tokenizer.added_tokens_decoder.items()}
+    prompts = read_prompts(prompts_file, val_fraction=0.1).prompts
+    for system_prompt in (None, "Answer in one line."):
+        for prompt in prompts:
+            ids = render_prompt(loaded, prompt, system_prompt=system_prompt, enable_thinking=False)
+            assert ids == render_prompt(gguf_tokenizer, prompt, system_prompt=system_prompt, enable_thinking=False)
+            assert loaded.decode(ids) == gguf_tokenizer.decode(ids)
+
+
+def test_tokenizer_is_saved_for_4x_and_tokenizes_as_the_gguf(smollm2_gguf_tokenizer, sample_prompts, tmp_path):
+    """transformers 5 saves the GGUF's tokenizer as "TokenizersBackend", which 4.x cannot load; the
+    conversion's writer names the same tokenizer so both versions load it, byte-stable."""
+    from dflash_pipeline.target import save_tokenizer_for_both
+
+    for folder in (tmp_path / "a", tmp_path / "b"):
+        save_tokenizer_for_both(smollm2_gguf_tokenizer, folder)
+    check_tokenizer_folder_as_gguf(tmp_path / "a", smollm2_gguf_tokenizer, sample_prompts)
+    files = sorted(path.name for path in (tmp_path / "a").iterdir())
+    assert files == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    for path in (tmp_path / "a").iterdir():
+        assert path.read_bytes() == (tmp_path / "b" / path.name).read_bytes(), path.name
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +266,10 @@ def embedded_target(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_embedded_conversion_reads_the_same_under_transformers_4x_and_5x(embedded_target, tmp_path):
-    """transformers 4.x reads rope_theta at the top level only; without it, it loads RoPE base 10000."""
+def test_embedded_conversion_reads_the_same_under_transformers_4x_and_5x(embedded_target, tmp_path, smollm2_gguf_tokenizer,
+                                                                          sample_prompts):
+    """transformers 4.x reads rope_theta at the top level only; without it, it loads RoPE base 10000.
+    Its AutoTokenizer does not know 5.x's "TokenizersBackend" class."""
     import transformers
 
     out_dir, _ = embedded_target
@@ -217,6 +284,7 @@ def test_embedded_conversion_reads_the_same_under_transformers_4x_and_5x(embedde
     # Adding the 4.x spellings changed nothing transformers 5 reads.
     only_5x = {key: value for key, value in config.items() if key not in OLD_SPELLINGS}
     assert config_as_5x_reads_it(config, tmp_path / "both") == config_as_5x_reads_it(only_5x, tmp_path / "only-5x")
+    check_tokenizer_folder_as_gguf(model_dir, smollm2_gguf_tokenizer, sample_prompts)
 
 
 @pytest.mark.slow

@@ -1,11 +1,17 @@
 """A Hugging Face model folder read as files, without loading the model: config.json's two
-spellings and the safetensors weights.
+spellings, tokenizer_config.json's, and the safetensors weights.
 
 transformers 4.x and 5.x spell some config fields that change the forward differently: the RoPE
 base and scaling (top-level rope_theta / rope_scaling in 4.x, rope_parameters in 5.x) and the
 dtype (torch_dtype / dtype). A reader that finds only the other spelling falls back to a default
 without a word, and so loads another model. `forward_fields` reads a config as each version does,
 `spelling_conflict` says where they would differ, `with_both_spellings` writes both.
+
+tokenizer_config.json differs too: 5.x names its generic tokenizer class, the one that builds the
+tokenizer from tokenizer.json as it is, "TokenizersBackend", which 4.x's AutoTokenizer does not
+know (it raises), and lists further special tokens under `extra_special_tokens`, a key 4.x reads
+as a dict and fails on. `tokenizer_config_for_both` writes the names both read alike,
+`tokenizer_config_conflict` says where a tokenizer_config.json still has a 5.x-only name.
 
 `weight_files` is the one place that knows how a folder lays out its safetensors weights (one
 file, or shards named by model.safetensors.index.json); `read_tensors` reads a few tensors alone.
@@ -28,6 +34,16 @@ _SPELLINGS = {
     "partial_rotary_factor": ("partial_rotary_factor", "rope_parameters.partial_rotary_factor"),
     "dtype": ("torch_dtype", "dtype"),
 }
+
+# tokenizer_config.json: 5.x-only spellings and the name both 4.x and 5.x read alike. 4.x calls the
+# generic class PreTrainedTokenizerFast; 5.x keeps that name as an alias of TokenizersBackend, so the
+# same class loads the same tokenizer.json in both. `additional_special_tokens` is the list both read
+# (5.x as its extra_special_tokens). Checked with 4.57.1 and 5.24.0: same ids, special tokens and
+# their ids, added tokens, length and chat template.
+_TOKENIZER_CLASS_RENAMES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+TOKENIZER_CLASSES_BOTH = ("PreTrainedTokenizerFast",)
+# What 5.x stores about where the tokenizer was loaded from, not what it is.
+_TOKENIZER_LOAD_STATE = ("is_local", "local_files_only")
 
 
 def _given(config: dict, key: str):
@@ -205,3 +221,38 @@ def read_tensors(model_dir: Path, suffixes: list[str]) -> dict:
             with safe_open(names[matches[0]], framework="pt") as handle:
                 found[suffix] = handle.get_tensor(matches[0])
     return found
+
+
+def tokenizer_config_conflict(config: dict) -> str | None:
+    """Why transformers 4.x would not load the tokenizer that 5.x loads from `config`
+    (tokenizer_config.json's content), or None if both load the same."""
+    cls = config.get("tokenizer_class")
+    if cls not in TOKENIZER_CLASSES_BOTH:
+        return (f"tokenizer_class {cls!r} is not one that transformers 4.x and 5.x both load from tokenizer.json "
+                f"as it is ({', '.join(TOKENIZER_CLASSES_BOTH)})")
+    if isinstance(config.get("extra_special_tokens"), list):
+        return ("extra_special_tokens is a list (5.x's spelling); transformers 4.x fails on it, "
+                "both read additional_special_tokens")
+    return None
+
+
+def tokenizer_config_for_both(config: dict, *, where: Path) -> dict:
+    """tokenizer_config.json as transformers 5 writes it, respelled so that 4.x loads the same tokenizer.
+
+    Keys come out sorted, so the file it makes is byte-stable. A tokenizer class other than 5.x's
+    generic one is refused rather than guessed at: a model-specific class may rebuild parts of the
+    tokenizer in its own way in each version.
+    """
+    spelled = {key: value for key, value in config.items() if key not in _TOKENIZER_LOAD_STATE}
+    cls = spelled.get("tokenizer_class")
+    spelled["tokenizer_class"] = _TOKENIZER_CLASS_RENAMES.get(cls, cls)
+    if isinstance(spelled.get("extra_special_tokens"), list):  # a dict (named tokens) is 4.x's spelling too
+        extra = spelled.pop("extra_special_tokens")
+        if spelled.get("additional_special_tokens") not in (None, extra):
+            raise PipelineError(f"{where}: extra_special_tokens and additional_special_tokens disagree")
+        if extra:
+            spelled["additional_special_tokens"] = extra
+    conflict = tokenizer_config_conflict(spelled)
+    if conflict:
+        raise PipelineError(f"{where}: {conflict}")
+    return dict(sorted(spelled.items()))

