@@ -12,6 +12,11 @@ The work is planned before it starts: sequences sorted by length, cut into shard
 decides what goes where, so a rerun after kill -9 skips the shards already renamed into place
 and rewrites the rest byte for byte the same, and under torchrun rank r simply takes shards
 r, r + world, ... of the same plan (rank 0 writes the manifests once all ranks are done).
+
+A shard already there is kept only when its sha256 equals a record made when it was written:
+its `.sha256` file (a run not finished yet) or the previous manifest (a finished one; both are
+only ever left by a run of this same capture record, since other settings empty the folder).
+Anything else, a flipped bit that Arrow still reads included, is rebuilt, and the run says so.
 """
 
 import hashlib
@@ -27,11 +32,14 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import reuse_or_reset, sha256_file
 from dflash_pipeline.prompts import read_generated
 from dflash_pipeline.shards import (
+    SHA256_SUFFIX,
     SHARD_GLOB,
     Manifest,
     ShardInfo,
     ShardWriter,
     bytes_per_token,
+    recorded_sha256,
+    sha256_record_path,
 )
 from dflash_pipeline.target import LayerTap, TargetInfo, build_target_layer_ids
 
@@ -169,15 +177,51 @@ def _shard_name(number: int) -> str:
     return f"shard-{number:05d}.arrow"
 
 
-def _shard_complete(path: Path, sequences: int) -> bool:
-    import pyarrow as pa
-
-    if not path.is_file():
-        return False
+def _previous_manifest_entries(out_dir: Path, split: str) -> dict[str, ShardInfo]:
+    """Shard name -> its size and sha256 in the manifest an earlier run of this record finished."""
+    if not (out_dir / "manifest.json").is_file():
+        return {}
     try:
-        return pa.ipc.open_file(pa.memory_map(str(path), "r")).num_record_batches == sequences
-    except (OSError, pa.ArrowInvalid):
-        return False
+        return {info.file: info for info in Manifest.load(out_dir).shards}
+    except PipelineError as exc:
+        print(f"capture {split}: previous {exc}; shards without a .sha256 record are rebuilt")
+        return {}
+
+
+def _unverified_shard(path: Path, previous: ShardInfo | None) -> str | None:
+    """Why the shard at `path` cannot be kept, or None when it matches its writer's record.
+
+    The `.sha256` file comes first: it exists only for shards written after the last manifest,
+    so it is the newer record of the two.
+    """
+    expected, source = recorded_sha256(path), sha256_record_path(path).name
+    if expected is None and previous is not None:
+        if path.stat().st_size != previous.bytes:
+            return f"{path.stat().st_size} bytes, manifest.json says {previous.bytes}"
+        expected, source = previous.sha256, "manifest.json"
+    if expected is None:
+        return "no recorded sha256 to check it against"
+    if sha256_file(path) != expected:
+        return f"sha256 differs from {source}"
+    return None
+
+
+def _drop_unverified_shards(out_dir: Path, split: str, count: int) -> None:
+    """Remove every existing shard of the plan that does not match its record; print one line."""
+    previous = _previous_manifest_entries(out_dir, split)
+    dropped = []
+    for number in range(count):
+        path = out_dir / _shard_name(number)
+        if not path.is_file():
+            continue
+        reason = _unverified_shard(path, previous.get(path.name))
+        if reason is not None:
+            path.unlink()
+            sha256_record_path(path).unlink(missing_ok=True)
+            dropped.append(f"{path.name} ({reason})")
+    if dropped:
+        shown = ", ".join(dropped[:3]) + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")
+        print(f"capture {split}: rebuilding {len(dropped)} shard(s) that do not match their recorded sha256: {shown}")
 
 
 def _warmup_tokens_per_s(model, tap, sequences: list[Sequence], pad_id: int) -> float:
@@ -229,7 +273,8 @@ def capture_split(
         dropped = reuse_or_reset(out_dir, "capture.json", record, SHARD_GLOB)
         if dropped:
             print(f"capture {split}: inputs or settings changed; removed {dropped} old shard(s)")
-        missing = [n for n in range(len(plan)) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]
+        _drop_unverified_shards(out_dir, split, len(plan))
+        missing = [n for n in range(len(plan)) if not (out_dir / _shard_name(n)).is_file()]
         missing_tokens = sum(shard_tokens[n] for n in missing)
         line = (
             f"capture {split}: {len(sequences)} sequences, {total_tokens:,} tokens in {len(plan)} shard(s), "
@@ -247,7 +292,8 @@ def capture_split(
             )
     if barrier is not None:
         barrier()
-    todo = [n for n in range(rank, len(plan), world) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]
+    # Rank 0 removed every shard it could not verify before the barrier: what is there is kept.
+    todo = [n for n in range(rank, len(plan), world) if not (out_dir / _shard_name(n)).is_file()]
     todo_tokens = sum(shard_tokens[n] for n in todo)
     bar = progress(total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture {split}", disable=rank != 0 or not todo)
     try:
@@ -288,6 +334,9 @@ def capture_split(
         stats=dict(stats),
     )
     manifest.save(out_dir)
+    # The manifest now records every shard's sha256; the per-shard records would only duplicate it.
+    for record_file in out_dir.glob(SHARD_GLOB + SHA256_SUFFIX):
+        record_file.unlink()
     return manifest
 
 
