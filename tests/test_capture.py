@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run, start_then_kill_9, write_generated
+from conftest import REPO_ROOT, folder_bytes, run, start_then_kill_9, write_generated
 from dflash_pipeline.capture import Sequence, forward_batch, load_sequences, plan_shards
 from dflash_pipeline.target import LayerTap, build_target_layer_ids
 from dflash_pipeline.config import CaptureConfig, TargetConfig
@@ -113,7 +113,11 @@ def _params(tmp_path, **capture):
 
 def _capture_cmd(params, generated, target_json, out, launcher=(sys.executable,)):
     return [*launcher, str(REPO_ROOT / "stages" / "capture.py"), "--params", str(params), "--generated", str(generated),
-            "--target", str(target_json), "--out", str(out), "--device", "cpu"]
+            "--target", str(target_json), "--out", str(out), "--metrics", str(_metrics_path(out)), "--device", "cpu"]
+
+
+def _metrics_path(out):
+    return out.parent / "metrics" / f"{out.name}-capture.json"
 
 
 def _assert_same_split(a, b):
@@ -284,3 +288,22 @@ def test_a_corrupted_shard_is_rebuilt_not_recorded(tiny, tmp_path, capsys, monke
     printed = capture()
     assert "rebuilding" not in printed and "1 shard(s), 1 already done" in printed, printed
     verify_split(split)
+
+
+def test_a_rerun_that_changes_no_shard_leaves_the_output_byte_identical(tiny, tmp_path):
+    # Timings inside data/hidden changed its hash on every rerun, so train reran and "resumed" at
+    # its last step; they live in the metrics file instead.
+    _, _, target_json = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 6, "val": 2}, answer_len=(10, 40))
+    params = _params(tmp_path, layer_ids=[1, 3])
+    out = tmp_path / "hidden"
+    run(_capture_cmd(params, generated, target_json, out), cwd=tmp_path)
+    first = folder_bytes(out)
+    assert {"summary.json", "train/manifest.json", "train/shard-00000.arrow", "val/capture.json"} <= set(first)
+    this_run = json.loads(_metrics_path(out).read_text())
+    assert this_run["train"]["shards_written"] == 1 and this_run["train"]["seconds"] > 0
+    run(_capture_cmd(params, generated, target_json, out), cwd=tmp_path)
+    assert folder_bytes(out) == first
+    this_run = json.loads(_metrics_path(out).read_text())
+    assert this_run["train"] == {"shards_written": 0, "shards_kept": 1, "tokens_written": 0, "seconds": this_run["train"]["seconds"],
+                                 "tokens_per_s": None}

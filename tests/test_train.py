@@ -147,6 +147,18 @@ def test_rerun_resumes_and_other_configurations_start_fresh(tiny_run, tmp_path):
     assert changed["curve"][-1]["loss"] != full["curve"][-1]["loss"]
 
 
+def test_rerunning_a_finished_run_reports_its_metrics_from_the_saved_state(tiny_run, tmp_path):
+    # A rerun caused by an unrelated change "resumes" at the last step with nothing to do; its
+    # metrics must be the finished run's, not an empty loop's (loss null, 0 tokens/s).
+    first = _train(tiny_run, tmp_path / "ck")
+    again = _train(tiny_run, tmp_path / "ck")
+    assert again["resumed_from"] == TINY_TRAIN.max_steps
+    assert again["loss"] == first["loss"] and isinstance(first["loss"], float)
+    assert again["tokens_per_s"] == first["tokens_per_s"] and first["tokens_per_s"] > 0
+    assert again["seconds"] == first["seconds"] and first["seconds"] > 0
+    assert (again["tau_tf"], again["slot_accuracy"]) == (first["tau_tf"], first["slot_accuracy"])
+
+
 def test_a_kill_between_the_state_files_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     # A kill after state.pt of step 4 is in place but before state.json follows: the two files
     # disagree. Resuming must take step, optimizer and curve from one of them (state.pt), or the

@@ -2,7 +2,10 @@
 
 Input: `data/generated/{train,val}.parquet` (exact token ids from `generate`) and the target.
 Output per split: `shard-NNNNN.arrow` files and `manifest.json` (format in `shards.py`), plus
-`capture.json`, the settings and plan the shards were made with.
+`capture.json`, the settings and plan the shards were made with. `run_capture` returns a summary
+whose `this_run` part (seconds, shards written now) is the only part that differs between two
+runs on the same inputs; the stage script writes it as a metrics file outside the data folder,
+so a rerun that changes no shard leaves the output, and every stage after it, unchanged.
 
 Layer id i means the OUTPUT of decoder layer i (`target.LayerTap`): forward hooks keep only the
 selected layers, never all L + 1 hidden states.
@@ -256,8 +259,9 @@ def capture_split(
     rank: int = 0,
     world: int = 1,
     barrier=None,
-) -> Manifest | None:
-    """Capture one split into `out_dir`; return its manifest (rank 0) or None (other ranks)."""
+) -> tuple[Manifest | None, dict]:
+    """Capture one split into `out_dir`; return its manifest and what this run wrote (rank 0),
+    or (None, {}) on other ranks."""
     from dflash_pipeline.progress import progress
 
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -314,7 +318,7 @@ def capture_split(
     if barrier is not None:
         barrier()
     if rank != 0:
-        return None
+        return None, {}
     shards = []
     for number in range(len(plan)):
         path = out_dir / _shard_name(number)
@@ -337,11 +341,12 @@ def capture_split(
     # The manifest now records every shard's sha256; the per-shard records would only duplicate it.
     for record_file in out_dir.glob(SHARD_GLOB + SHA256_SUFFIX):
         record_file.unlink()
-    return manifest
+    return manifest, {"shards_written": len(missing), "shards_kept": len(plan) - len(missing), "tokens_written": missing_tokens}
 
 
 def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str) -> dict:
-    """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0)."""
+    """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0):
+    what the shards hold under "splits", and this run's work and timings under "this_run"."""
     import torch
     import torch.distributed as dist
 
@@ -362,23 +367,28 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
         model, tokenizer = load_target(target, device=device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         tap = LayerTap(model, layer_ids)
-        summary = {"layer_ids": layer_ids, "splits": {}}
+        summary = {"layer_ids": layer_ids, "splits": {}, "this_run": {}}
         for split in SPLITS:
             sequences, stats = load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
             started = time.perf_counter()
-            manifest = capture_split(
+            manifest, written = capture_split(
                 sequences, stats, split=split, model=model, tap=tap, target=target, config=config,
                 layer_ids=layer_ids, out_dir=out_dir / split, pad_id=pad_id, rank=rank, world=world, barrier=barrier,
             )
             if manifest is not None:
+                seconds = time.perf_counter() - started
                 summary["splits"][split] = {
                     "sequences": manifest.sequences,
                     "tokens": manifest.tokens,
                     "loss_tokens": manifest.loss_tokens,
                     "shards": len(manifest.shards),
                     "bytes": sum(s.bytes for s in manifest.shards),
-                    "seconds": round(time.perf_counter() - started, 2),
                     "stats": manifest.stats,
+                }
+                summary["this_run"][split] = {
+                    **written,
+                    "seconds": round(seconds, 2),
+                    "tokens_per_s": round(written["tokens_written"] / seconds, 1) if written["tokens_written"] else None,
                 }
         tap.remove()
         summary["config"] = as_dict(config)
