@@ -117,10 +117,10 @@ def test_mask_token_and_target_head(tiny_run):
     assert head.lm_head_weight.data_ptr() == head.embed_weight.data_ptr()  # tied, stored once
 
 
-def _train(tiny_run, out, config=TINY_TRAIN):
+def _train(tiny_run, out, config=TINY_TRAIN, log=lambda *_: None):
     target, root = tiny_run
     return run_train(config, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
-                     out_dir=out, device="cpu", log=lambda *_: None)
+                     out_dir=out, device="cpu", log=log)
 
 
 def test_end_to_end_losses_are_pinned_and_checkpoints_load(tiny_run, tmp_path):
@@ -159,30 +159,51 @@ def test_rerunning_a_finished_run_reports_its_metrics_from_the_saved_state(tiny_
     assert (again["tau_tf"], again["slot_accuracy"]) == (first["tau_tf"], first["slot_accuracy"])
 
 
+def _train_killed_after_the_state_of(step, tiny_run, out, config, monkeypatch):
+    """Run `config` into `out` and stop it like a kill right after step `step`'s resume state is in
+    place, before state.json follows (the readable copy then still describes the step before)."""
+    import dflash_pipeline.checkpoints as checkpoints_module
+
+    real_write = checkpoints_module.write_json_atomic
+
+    def killed(path, data):
+        if Path(path).name == "state.json" and data["step"] == step:
+            raise KeyboardInterrupt(f"killed after the state of step {step}")
+        real_write(path, data)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoints_module, "write_json_atomic", killed)
+        with pytest.raises(KeyboardInterrupt):
+            _train(tiny_run, out, config)
+
+
 def test_a_kill_between_the_state_files_resumes_exactly(tiny_run, tmp_path, monkeypatch):
     # A kill after state.pt of step 4 is in place but before state.json follows: the two files
     # disagree. Resuming must take step, optimizer and curve from one of them (state.pt), or the
     # step-2 weights would continue with step-4 optimizer moments (a flaky kill -9 test found it).
-    import dflash_pipeline.checkpoints as train_module
-
     config = replace(TINY_TRAIN, save_every=2)
     full = _train(tiny_run, tmp_path / "reference", config)
-    real_write = train_module.write_json_atomic
-
-    def killed_at_step_4(path, data):
-        if Path(path).name == "state.json" and data["step"] == 4:
-            raise KeyboardInterrupt("killed between state.pt and state.json")
-        real_write(path, data)
-
-    monkeypatch.setattr(train_module, "write_json_atomic", killed_at_step_4)
     out = tmp_path / "ck"
-    with pytest.raises(KeyboardInterrupt):
-        _train(tiny_run, out, config)
-    monkeypatch.setattr(train_module, "write_json_atomic", real_write)
+    _train_killed_after_the_state_of(4, tiny_run, out, config, monkeypatch)
     assert json.loads((out / "state.json").read_text())["step"] == 2  # the files disagree
     resumed = _train(tiny_run, out, config)
     assert resumed["resumed_from"] == 4
     assert [row["loss"] for row in resumed["curve"]] == [row["loss"] for row in full["curve"]]
+
+
+def test_a_resumed_run_reports_the_loss_of_the_uninterrupted_one(tiny_run, tmp_path, monkeypatch):
+    # The reported loss is the mean of the last LOSS_WINDOW steps: after a resume the window must
+    # hold the steps before the kill too, not only the ones run since (the 6 steps here all fit).
+    config = replace(TINY_TRAIN, save_every=2)
+    full = _train(tiny_run, tmp_path / "reference", config)
+    out = tmp_path / "ck"
+    _train_killed_after_the_state_of(4, tiny_run, out, config, monkeypatch)
+    resumed = _train(tiny_run, out, config)
+    assert resumed["resumed_from"] == 4 and isinstance(full["loss"], float)
+    assert resumed["loss"] == full["loss"]
+    last = json.loads((out / "step_000006" / "checkpoint.json").read_text())["metrics"]
+    uninterrupted = json.loads((tmp_path / "reference" / "step_000006" / "checkpoint.json").read_text())["metrics"]
+    assert last["loss"] == full["loss"] == uninterrupted["loss"]
 
 
 def _stage_cmd(tmp_path, tiny_run, out, launcher=(sys.executable,), **train):
