@@ -1,7 +1,10 @@
 """DVC stage `generate`: the target regenerates greedy answers to the prompt set.
 
     python stages/generate.py --params params.yaml --prompts data/prompts/default.jsonl \
-        --target data/target/target.json --out data/generated
+        --target data/target/target.json --out data/generated --metrics data/metrics/generate.json
+
+OUT/summary.json holds only what the answers are; this run's timings and counts go to the metrics
+file, so a rerun that adds no answer leaves OUT byte for byte as it was.
 """
 
 from pathlib import Path
@@ -17,14 +20,17 @@ from dflash_pipeline.runtime import default_device, offline_by_default, one_line
               help="Prompt file (JSONL or Parquet); dvc.yaml passes generate.prompts.")
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/generated", show_default=True)
+@click.option("--metrics", "metrics_path", type=click.Path(path_type=Path), default="data/metrics/generate.json", show_default=True,
+              help="This run's timings and answers reused / made (kept out of OUT).")
 @click.option("--device", default=None, help="cpu or cuda[:N]; default: cuda when available.")
 @one_line_errors
-def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path, device: str | None) -> None:
+def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path, metrics_path: Path, device: str | None) -> None:
     """Answer the first generate.max_prompts prompts greedily; resumes after an interruption."""
     offline_by_default()
     from dflash_pipeline.config import load_params
     from dflash_pipeline.generate import run_generate
     from dflash_pipeline.prompts import read_prompts
+    from dflash_pipeline.report import write_metrics
     from dflash_pipeline.target import TargetInfo
 
     config = load_params(params_path).generate
@@ -34,6 +40,7 @@ def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = run_generate(prompt_set, config=config, target=target, out_dir=out_dir, device=device or default_device())
+    write_metrics(metrics_path, summary["this_run"])
     prompts, tokens = summary["prompts"], summary["answer_tokens"]
     click.echo(
         f"generate: train {prompts['train']} prompts / {tokens['train']} answer tokens, "

@@ -156,6 +156,11 @@ def set_params(repo: Path, **sections) -> None:
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` by relative path: two equal results mean byte-identical trees."""
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(Path(folder).rglob("*")) if path.is_file()}
+
+
 def write_generated(folder, rows_per_split, *, seed=0, prompt_len=(20, 60), answer_len=(10, 200)):
     """A fabricated generate-stage output (random ids) so capture tests control the shapes."""
     import pyarrow as pa

@@ -1,7 +1,9 @@
 """Stage `capture`: layer-id convention, features equal a hand-run forward, resume, torchrun."""
 
 import filecmp
+import hashlib
 import json
+import shutil
 import sys
 
 import pyarrow as pa
@@ -9,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run, start_then_kill_9, write_generated
+from conftest import REPO_ROOT, folder_bytes, run, start_then_kill_9, write_generated
 from dflash_pipeline.capture import Sequence, forward_batch, load_sequences, plan_shards
 from dflash_pipeline.target import LayerTap, build_target_layer_ids
 from dflash_pipeline.config import CaptureConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.prompts import GENERATED_SCHEMA
-from dflash_pipeline.shards import open_split
+from dflash_pipeline.shards import Manifest, open_split, verify_split
 from dflash_pipeline.target import TargetInfo, load_target, prepare_target
 
 
@@ -111,7 +113,11 @@ def _params(tmp_path, **capture):
 
 def _capture_cmd(params, generated, target_json, out, launcher=(sys.executable,)):
     return [*launcher, str(REPO_ROOT / "stages" / "capture.py"), "--params", str(params), "--generated", str(generated),
-            "--target", str(target_json), "--out", str(out), "--device", "cpu"]
+            "--target", str(target_json), "--out", str(out), "--metrics", str(_metrics_path(out)), "--device", "cpu"]
+
+
+def _metrics_path(out):
+    return out.parent / "metrics" / f"{out.name}-capture.json"
 
 
 def _assert_same_split(a, b):
@@ -208,3 +214,96 @@ def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):
     generated = write_generated(tmp_path / "generated", {"train": 2, "val": 1})
     with pytest.raises(PipelineError, match=message):
         capture.run_capture(config, target=info, generated_dir=generated, out_dir=tmp_path / "o", device="cpu")
+
+
+def _flip_a_feature_byte(shard):
+    """Flip one bit inside the first sequence's feature values: the file stays a valid Arrow file
+    with the right record-batch count, only its sha256 tells."""
+    mapped = pa.memory_map(str(shard), "r")
+    reader = pa.ipc.open_file(mapped)
+    features = reader.get_batch(0).column("features").values
+    mapped.seek(0)
+    offset = features.buffers()[1].address - mapped.read_buffer().address + 7
+    batches = reader.num_record_batches
+    del reader, features, mapped
+    data = bytearray(shard.read_bytes())
+    data[offset] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert pa.ipc.open_file(pa.memory_map(str(shard), "r")).num_record_batches == batches
+
+
+def test_a_corrupted_shard_is_rebuilt_not_recorded(tiny, tmp_path, capsys, monkeypatch):
+    info, _, _ = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 6, "val": 2}, answer_len=(10, 40))
+    config = CaptureConfig(layer_ids=[1, 3])
+    out = tmp_path / "hidden"
+
+    def capture():
+        from dflash_pipeline.capture import run_capture
+
+        capsys.readouterr()
+        run_capture(config, target=info, generated_dir=generated, out_dir=out, device="cpu")
+        return capsys.readouterr().out
+
+    capture()
+    split, shard = out / "train", out / "train" / "shard-00000.arrow"
+    original = shard.read_bytes()
+    assert not list(split.glob("*.sha256"))  # the manifest holds the hashes once the split is done
+
+    # A finished split: the bit flip verify-shards reports is rebuilt, not written into a new manifest.
+    _flip_a_feature_byte(shard)
+    with pytest.raises(PipelineError, match="sha256 differs from the manifest"):
+        verify_split(split)
+    printed = capture()
+    assert "capture train: rebuilding 1 shard(s) that do not match their recorded sha256: " \
+           "shard-00000.arrow (sha256 differs from manifest.json)" in printed, printed
+    assert "0 already done" in printed
+    verify_split(split)
+    assert shard.read_bytes() == original
+
+    # A run killed before its manifest: the shard's own .sha256 record is the reference.
+    shutil.rmtree(out)
+
+    def killed(self, folder):
+        raise KeyboardInterrupt("killed before the manifest")
+
+    monkeypatch.setattr(Manifest, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        capture()
+    monkeypatch.undo()
+    assert shard.is_file() and (split / "shard-00000.arrow.sha256").is_file() and not (split / "manifest.json").exists()
+    _flip_a_feature_byte(shard)
+    printed = capture()
+    assert "shard-00000.arrow (sha256 differs from shard-00000.arrow.sha256)" in printed, printed
+    assert shard.read_bytes() == original
+    verify_split(split)
+
+    # A shard with neither record cannot be checked, so it is rebuilt too; an intact one is kept.
+    (split / "manifest.json").unlink()
+    printed = capture()
+    assert "shard-00000.arrow (no recorded sha256 to check it against)" in printed, printed
+    (split / "manifest.json").unlink()
+    (split / "shard-00000.arrow").write_bytes(original)
+    (split / "shard-00000.arrow.sha256").write_text(hashlib.sha256(original).hexdigest() + "  shard-00000.arrow\n")
+    printed = capture()
+    assert "rebuilding" not in printed and "1 shard(s), 1 already done" in printed, printed
+    verify_split(split)
+
+
+def test_a_rerun_that_changes_no_shard_leaves_the_output_byte_identical(tiny, tmp_path):
+    # Timings inside data/hidden changed its hash on every rerun, so train reran and "resumed" at
+    # its last step; they live in the metrics file instead.
+    _, _, target_json = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 6, "val": 2}, answer_len=(10, 40))
+    params = _params(tmp_path, layer_ids=[1, 3])
+    out = tmp_path / "hidden"
+    run(_capture_cmd(params, generated, target_json, out), cwd=tmp_path)
+    first = folder_bytes(out)
+    assert {"summary.json", "train/manifest.json", "train/shard-00000.arrow", "val/capture.json"} <= set(first)
+    this_run = json.loads(_metrics_path(out).read_text())
+    assert this_run["train"]["shards_written"] == 1 and this_run["train"]["seconds"] > 0
+    run(_capture_cmd(params, generated, target_json, out), cwd=tmp_path)
+    assert folder_bytes(out) == first
+    this_run = json.loads(_metrics_path(out).read_text())
+    assert this_run["train"] == {"shards_written": 0, "shards_kept": 1, "tokens_written": 0, "seconds": this_run["train"]["seconds"],
+                                 "tokens_per_s": None}

@@ -135,6 +135,17 @@ def test_verify_shards_passes_a_good_split_and_names_the_corrupt_shard(tiny, tmp
     assert_one_line_error(invoke("verify-shards", tmp_path / "empty"), "no manifest.json")
 
 
+def test_verify_shards_with_a_target_refuses_shards_of_another_target(tiny, tmp_path):
+    # Without --target, shards captured from another model verify fine: they match their own manifest.
+    good = invoke("verify-shards", tiny.hidden, "--target", tiny.target_json)
+    assert good.exit_code == 0 and good.stdout.count(": ok, ") == good.stdout.count("(matches --target)") == 2, good.output
+    foreign = tmp_path / "target.json"
+    foreign.write_text(json.dumps({**json.loads(tiny.target_json.read_text()), "fingerprint": "f" * 64}))
+    assert invoke("verify-shards", tiny.val).exit_code == 0
+    assert_one_line_error(invoke("verify-shards", tiny.val, "--target", foreign), str(tiny.val / "manifest.json"),
+                          "target_fingerprint", f"fingerprint of {foreign} (ffffffffffff): captured from another target")
+
+
 # ----------------------------------------------------------------------------- show
 
 

@@ -6,7 +6,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO_ROOT, SAMPLE_PROMPTS, run, start_then_kill_9, write_jsonl
+from conftest import REPO_ROOT, SAMPLE_PROMPTS, folder_bytes, run, start_then_kill_9, write_jsonl
 from dflash_pipeline.config import GenerateConfig
 from dflash_pipeline.generate import greedy_generate, render_prompt, run_generate
 from dflash_pipeline.prompts import GENERATED_SCHEMA, read_generated
@@ -106,9 +106,9 @@ def test_changed_settings_discard_cached_answers(tiny_target, sample_prompts, tm
     prompt_set = read_prompts(sample_prompts, val_fraction=0.25)
     run_generate(prompt_set, config=_config(max_new_tokens=4), target=info, out_dir=tmp_path)
     again = run_generate(prompt_set, config=_config(max_new_tokens=4, batch_size=5), target=info, out_dir=tmp_path)
-    assert again["reused_answers"] == len(SAMPLE_PROMPTS) and again["this_run"]["prompts"] == 0
+    assert again["this_run"]["reused_answers"] == len(SAMPLE_PROMPTS) and again["this_run"]["prompts"] == 0
     longer = run_generate(prompt_set, config=_config(max_new_tokens=7), target=info, out_dir=tmp_path)
-    assert longer["reused_answers"] == 0
+    assert longer["this_run"]["reused_answers"] == 0
     rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
     assert all(len(r["answer_ids"]) == 7 for r in rows)
 
@@ -123,7 +123,11 @@ def _generate_cmd(tmp_path, prompts, target_json, out):
     params.write_text((REPO_ROOT / "params.yaml").read_text().replace("batch_size: 64", "batch_size: 1")
                       .replace("max_new_tokens: 256", "max_new_tokens: 24").replace("max_prompts: 256", "max_prompts: 0"))
     return [sys.executable, str(REPO_ROOT / "stages" / "generate.py"), "--params", str(params), "--prompts", str(prompts),
-            "--target", str(target_json), "--out", str(out), "--device", "cpu"]
+            "--target", str(target_json), "--out", str(out), "--metrics", str(_metrics_path(out)), "--device", "cpu"]
+
+
+def _metrics_path(out):
+    return out.parent / "metrics" / f"{out.name}-generate.json"
 
 
 def test_kill_9_then_rerun_resumes_without_loss_or_duplicates(tiny_target, tmp_path):
@@ -146,8 +150,23 @@ def test_kill_9_then_rerun_resumes_without_loss_or_duplicates(tiny_target, tmp_p
         assert resumed == expected
     ids = [r["prompt_id"] for s in ("train", "val") for r in pq.read_table(out / f"{s}.parquet").to_pylist()]
     assert len(ids) == len(set(ids)) == 40
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["reused_answers"] == written and summary["this_run"]["prompts"] == 40 - written
+    this_run = json.loads(_metrics_path(out).read_text())
+    assert this_run["reused_answers"] == written and this_run["prompts"] == 40 - written
+
+
+def test_a_rerun_that_adds_no_answer_leaves_the_output_byte_identical(tiny_target, sample_prompts, tmp_path):
+    # Timings inside data/generated changed its hash on every rerun; they live in the metrics file.
+    _, _, _, target_json = tiny_target
+    out = tmp_path / "out"
+    run(_generate_cmd(tmp_path, sample_prompts, target_json, out), cwd=tmp_path)
+    first = folder_bytes(out)
+    assert {"train.parquet", "val.parquet", "summary.json", "chunks/settings.json"} <= set(first)
+    this_run = json.loads(_metrics_path(out).read_text())
+    assert this_run["prompts"] == len(SAMPLE_PROMPTS) and this_run["seconds"] > 0 and this_run["new_tokens"] > 0
+    run(_generate_cmd(tmp_path, sample_prompts, target_json, out), cwd=tmp_path)
+    assert folder_bytes(out) == first
+    this_run = json.loads(_metrics_path(out).read_text())
+    assert this_run["reused_answers"] == len(SAMPLE_PROMPTS) and this_run["prompts"] == 0
 
 
 def test_stage_reports_a_bad_prompt_row_as_one_line(tiny_target, tmp_path):

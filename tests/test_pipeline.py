@@ -67,8 +67,9 @@ def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
     set_params(repo, generate={"max_prompts": 12})
     fourth = dvc(repo, "repro")
     assert "resuming, 8 of 12 prompts already answered" in fourth.stdout
-    summary = json.loads((repo / "data" / "generated" / "summary.json").read_text())
-    assert summary["reused_answers"] == 8 and summary["this_run"]["prompts"] == 4
+    this_run = json.loads((repo / "data" / "metrics" / "generate.json").read_text())
+    assert this_run["reused_answers"] == 8 and this_run["prompts"] == 4
+    assert json.loads((repo / "data" / "metrics" / "capture.json").read_text())["train"]["seconds"] > 0
 
 
 def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):

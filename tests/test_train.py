@@ -2,6 +2,8 @@
 
 import json
 import math
+import re
+import shutil
 import sys
 from pathlib import Path
 from dataclasses import replace
@@ -131,10 +133,10 @@ def test_mask_token_and_target_head(tiny_run):
     assert head.lm_head_weight.data_ptr() == head.embed_weight.data_ptr()  # tied, stored once
 
 
-def _train(tiny_run, out, config=TINY_TRAIN):
+def _train(tiny_run, out, config=TINY_TRAIN, log=lambda *_: None):
     target, root = tiny_run
     return run_train(config, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
-                     out_dir=out, device="cpu", log=lambda *_: None)
+                     out_dir=out, device="cpu", log=log)
 
 
 def test_end_to_end_losses_are_pinned_and_checkpoints_load(tiny_run, tmp_path):
@@ -187,30 +189,125 @@ def test_rerun_resumes_and_other_configurations_start_fresh(tiny_run, tmp_path):
     assert changed["curve"][-1]["loss"] != full["curve"][-1]["loss"]
 
 
-def test_a_kill_between_the_state_files_resumes_exactly(tiny_run, tmp_path, monkeypatch):
-    # A kill after state.pt of step 4 is in place but before state.json follows: the two files
-    # disagree. Resuming must take step, optimizer and curve from one of them (state.pt), or the
-    # step-2 weights would continue with step-4 optimizer moments (a flaky kill -9 test found it).
-    import dflash_pipeline.checkpoints as train_module
+def test_rerunning_a_finished_run_reports_its_metrics_from_the_saved_state(tiny_run, tmp_path):
+    # A rerun caused by an unrelated change "resumes" at the last step with nothing to do; its
+    # metrics must be the finished run's, not an empty loop's (loss null, 0 tokens/s).
+    first = _train(tiny_run, tmp_path / "ck")
+    again = _train(tiny_run, tmp_path / "ck")
+    assert again["resumed_from"] == TINY_TRAIN.max_steps
+    assert again["loss"] == first["loss"] and isinstance(first["loss"], float)
+    assert again["tokens_per_s"] == first["tokens_per_s"] and first["tokens_per_s"] > 0
+    assert again["seconds"] == first["seconds"] and first["seconds"] > 0
+    assert (again["tau_tf"], again["slot_accuracy"]) == (first["tau_tf"], first["slot_accuracy"])
 
-    config = replace(TINY_TRAIN, save_every=2)
-    full = _train(tiny_run, tmp_path / "reference", config)
-    real_write = train_module.write_json_atomic
 
-    def killed_at_step_4(path, data):
-        if Path(path).name == "state.json" and data["step"] == 4:
-            raise KeyboardInterrupt("killed between state.pt and state.json")
+def _train_killed_after_the_state_of(step, tiny_run, out, config, monkeypatch):
+    """Run `config` into `out` and stop it like a kill right after step `step`'s resume state is in
+    place, before state.json follows (the readable copy then still describes the step before)."""
+    import dflash_pipeline.checkpoints as checkpoints_module
+
+    real_write = checkpoints_module.write_json_atomic
+
+    def killed(path, data):
+        if Path(path).name == "state.json" and data["step"] == step:
+            raise KeyboardInterrupt(f"killed after the state of step {step}")
         real_write(path, data)
 
-    monkeypatch.setattr(train_module, "write_json_atomic", killed_at_step_4)
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoints_module, "write_json_atomic", killed)
+        with pytest.raises(KeyboardInterrupt):
+            _train(tiny_run, out, config)
+
+
+def test_a_kill_between_the_state_files_resumes_exactly(tiny_run, tmp_path, monkeypatch):
+    # A kill after state/step_000004.pt is in place but before state.json follows: the two files
+    # disagree. Resuming must take step, optimizer and curve from one of them (the .pt file), or the
+    # step-2 weights would continue with step-4 optimizer moments (a flaky kill -9 test found it).
+    config = replace(TINY_TRAIN, save_every=2)
+    full = _train(tiny_run, tmp_path / "reference", config)
     out = tmp_path / "ck"
-    with pytest.raises(KeyboardInterrupt):
-        _train(tiny_run, out, config)
-    monkeypatch.setattr(train_module, "write_json_atomic", real_write)
+    _train_killed_after_the_state_of(4, tiny_run, out, config, monkeypatch)
     assert json.loads((out / "state.json").read_text())["step"] == 2  # the files disagree
     resumed = _train(tiny_run, out, config)
     assert resumed["resumed_from"] == 4
     assert [row["loss"] for row in resumed["curve"]] == [row["loss"] for row in full["curve"]]
+
+
+def test_a_resumed_run_reports_the_loss_of_the_uninterrupted_one(tiny_run, tmp_path, monkeypatch):
+    # The reported loss is the mean of the last LOSS_WINDOW steps: after a resume the window must
+    # hold the steps before the kill too, not only the ones run since (the 6 steps here all fit).
+    config = replace(TINY_TRAIN, save_every=2)
+    full = _train(tiny_run, tmp_path / "reference", config)
+    out = tmp_path / "ck"
+    _train_killed_after_the_state_of(4, tiny_run, out, config, monkeypatch)
+    resumed = _train(tiny_run, out, config)
+    assert resumed["resumed_from"] == 4 and isinstance(full["loss"], float)
+    assert resumed["loss"] == full["loss"]
+    last = json.loads((out / "step_000006" / "checkpoint.json").read_text())["metrics"]
+    uninterrupted = json.loads((tmp_path / "reference" / "step_000006" / "checkpoint.json").read_text())["metrics"]
+    assert last["loss"] == full["loss"] == uninterrupted["loss"]
+
+
+def _untimed(curve):
+    return [{key: value for key, value in row.items() if key != "seconds"} for row in curve]
+
+
+def _weights(folder):
+    return load_checkpoint(folder)[0].state_dict()
+
+
+def test_a_damaged_or_missing_last_checkpoint_resumes_from_the_one_before(tiny_run, tmp_path):
+    config = replace(TINY_TRAIN, save_every=2)
+    reference = _train(tiny_run, tmp_path / "reference", config)
+    expected = _weights(tmp_path / "reference" / "step_000006")
+    out = tmp_path / "ck"
+    _train(tiny_run, out, config)
+    assert sorted(p.name for p in (out / "state").iterdir()) == ["step_000004.pt", "step_000006.pt"]  # the newest two
+
+    # A model.safetensors cut short: one line naming it, and the run goes on from step 4.
+    weights = out / "step_000006" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(weights))}: unreadable safetensors file \([^\n]*\)$"):
+        load_checkpoint(weights.parent)
+    for damage in ("cut", "deleted"):
+        messages = []
+        resumed = _train(tiny_run, out, config, log=messages.append)
+        said = [m for m in messages if "resum" in m or "fresh" in m]
+        why = f"{weights}: unreadable safetensors file" if damage == "cut" else f"{weights.parent}: checkpoint folder missing"
+        assert len(said) == 1 and said[0].startswith(f"train: resuming at step 4 from {out / 'step_000004'}; passed over and removed newer "
+                                                    f"step_000006: {why}"), said
+        assert resumed["resumed_from"] == 4 and _untimed(resumed["curve"]) == _untimed(reference["curve"])
+        assert resumed["loss"] == reference["loss"] and resumed["tau_tf"] == reference["tau_tf"]
+        assert [p.name for p in list_checkpoints(out)] == ["step_000002", "step_000004", "step_000006"]  # older ones kept
+        final = _weights(out / "step_000006")
+        assert all(torch.equal(final[name], expected[name]) for name in expected)
+        shutil.rmtree(out / "step_000006")  # the second round: the newest folder is gone
+
+    # A checkpoint.json that does not parse is one line too.
+    info = out / "step_000002" / "checkpoint.json"
+    info.write_text('{"step": 2,')
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(info))}: not valid JSON \([^\n]*\)$"):
+        load_checkpoint(info.parent)
+    # Nothing left to continue from, but the checkpoints are this configuration's: starting over
+    # must not claim they belong to another one.
+    shutil.rmtree(out / "state")
+    messages = []
+    assert _train(tiny_run, out, config, log=messages.append)["resumed_from"] == 0
+    said = [m for m in messages if "resum" in m or "fresh" in m]
+    assert len(said) == 1 and said[0].startswith("train: starting fresh: no checkpoint of this run configuration can be continued "
+                                                 "(step_000004: "), said
+    assert "different run configuration" not in said[0]
+
+
+def test_a_run_folder_from_before_per_checkpoint_states_still_resumes(tiny_run, tmp_path):
+    # Earlier versions kept one state.pt for the newest checkpoint; a finished default run in the
+    # DVC cache has that layout and must not be retrained from step 0.
+    out = tmp_path / "ck"
+    first = _train(tiny_run, out)
+    (out / "state" / "step_000006.pt").rename(out / "state.pt")
+    shutil.rmtree(out / "state")
+    again = _train(tiny_run, out)
+    assert again["resumed_from"] == 6 and again["loss"] == first["loss"]
 
 
 def _stage_cmd(tmp_path, tiny_run, out, launcher=(sys.executable,), **train):

@@ -2,7 +2,10 @@
 
 Input: `data/generated/{train,val}.parquet` (exact token ids from `generate`) and the target.
 Output per split: `shard-NNNNN.arrow` files and `manifest.json` (format in `shards.py`), plus
-`capture.json`, the settings and plan the shards were made with.
+`capture.json`, the settings and plan the shards were made with. `run_capture` returns a summary
+whose `this_run` part (seconds, shards written now) is the only part that differs between two
+runs on the same inputs; the stage script writes it as a metrics file outside the data folder,
+so a rerun that changes no shard leaves the output, and every stage after it, unchanged.
 
 Layer id i means the OUTPUT of decoder layer i (`target.LayerTap`): forward hooks keep only the
 selected layers, never all L + 1 hidden states.
@@ -12,6 +15,11 @@ The work is planned before it starts: sequences sorted by length, cut into shard
 decides what goes where, so a rerun after kill -9 skips the shards already renamed into place
 and rewrites the rest byte for byte the same, and under torchrun rank r simply takes shards
 r, r + world, ... of the same plan (rank 0 writes the manifests once all ranks are done).
+
+A shard already there is kept only when its sha256 equals a record made when it was written:
+its `.sha256` file (a run not finished yet) or the previous manifest (a finished one; both are
+only ever left by a run of this same capture record, since other settings empty the folder).
+Anything else, a flipped bit that Arrow still reads included, is rebuilt, and the run says so.
 """
 
 import hashlib
@@ -27,11 +35,14 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import reuse_or_reset, sha256_file
 from dflash_pipeline.prompts import read_generated
 from dflash_pipeline.shards import (
+    SHA256_SUFFIX,
     SHARD_GLOB,
     Manifest,
     ShardInfo,
     ShardWriter,
     bytes_per_token,
+    recorded_sha256,
+    sha256_record_path,
 )
 from dflash_pipeline.target import LayerTap, TargetInfo, build_target_layer_ids
 
@@ -169,15 +180,51 @@ def _shard_name(number: int) -> str:
     return f"shard-{number:05d}.arrow"
 
 
-def _shard_complete(path: Path, sequences: int) -> bool:
-    import pyarrow as pa
-
-    if not path.is_file():
-        return False
+def _previous_manifest_entries(out_dir: Path, split: str) -> dict[str, ShardInfo]:
+    """Shard name -> its size and sha256 in the manifest an earlier run of this record finished."""
+    if not (out_dir / "manifest.json").is_file():
+        return {}
     try:
-        return pa.ipc.open_file(pa.memory_map(str(path), "r")).num_record_batches == sequences
-    except (OSError, pa.ArrowInvalid):
-        return False
+        return {info.file: info for info in Manifest.load(out_dir).shards}
+    except PipelineError as exc:
+        print(f"capture {split}: previous {exc}; shards without a .sha256 record are rebuilt")
+        return {}
+
+
+def _unverified_shard(path: Path, previous: ShardInfo | None) -> str | None:
+    """Why the shard at `path` cannot be kept, or None when it matches its writer's record.
+
+    The `.sha256` file comes first: it exists only for shards written after the last manifest,
+    so it is the newer record of the two.
+    """
+    expected, source = recorded_sha256(path), sha256_record_path(path).name
+    if expected is None and previous is not None:
+        if path.stat().st_size != previous.bytes:
+            return f"{path.stat().st_size} bytes, manifest.json says {previous.bytes}"
+        expected, source = previous.sha256, "manifest.json"
+    if expected is None:
+        return "no recorded sha256 to check it against"
+    if sha256_file(path) != expected:
+        return f"sha256 differs from {source}"
+    return None
+
+
+def _drop_unverified_shards(out_dir: Path, split: str, count: int) -> None:
+    """Remove every existing shard of the plan that does not match its record; print one line."""
+    previous = _previous_manifest_entries(out_dir, split)
+    dropped = []
+    for number in range(count):
+        path = out_dir / _shard_name(number)
+        if not path.is_file():
+            continue
+        reason = _unverified_shard(path, previous.get(path.name))
+        if reason is not None:
+            path.unlink()
+            sha256_record_path(path).unlink(missing_ok=True)
+            dropped.append(f"{path.name} ({reason})")
+    if dropped:
+        shown = ", ".join(dropped[:3]) + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")
+        print(f"capture {split}: rebuilding {len(dropped)} shard(s) that do not match their recorded sha256: {shown}")
 
 
 def _warmup_tokens_per_s(model, tap, sequences: list[Sequence], pad_id: int) -> float:
@@ -212,8 +259,9 @@ def capture_split(
     rank: int = 0,
     world: int = 1,
     barrier=None,
-) -> Manifest | None:
-    """Capture one split into `out_dir`; return its manifest (rank 0) or None (other ranks)."""
+) -> tuple[Manifest | None, dict]:
+    """Capture one split into `out_dir`; return its manifest and what this run wrote (rank 0),
+    or (None, {}) on other ranks."""
     from dflash_pipeline.progress import progress
 
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
@@ -229,7 +277,8 @@ def capture_split(
         dropped = reuse_or_reset(out_dir, "capture.json", record, SHARD_GLOB)
         if dropped:
             print(f"capture {split}: inputs or settings changed; removed {dropped} old shard(s)")
-        missing = [n for n in range(len(plan)) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]
+        _drop_unverified_shards(out_dir, split, len(plan))
+        missing = [n for n in range(len(plan)) if not (out_dir / _shard_name(n)).is_file()]
         missing_tokens = sum(shard_tokens[n] for n in missing)
         line = (
             f"capture {split}: {len(sequences)} sequences, {total_tokens:,} tokens in {len(plan)} shard(s), "
@@ -247,7 +296,8 @@ def capture_split(
             )
     if barrier is not None:
         barrier()
-    todo = [n for n in range(rank, len(plan), world) if not _shard_complete(out_dir / _shard_name(n), shard_sequences[n])]
+    # Rank 0 removed every shard it could not verify before the barrier: what is there is kept.
+    todo = [n for n in range(rank, len(plan), world) if not (out_dir / _shard_name(n)).is_file()]
     todo_tokens = sum(shard_tokens[n] for n in todo)
     bar = progress(total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture {split}", disable=rank != 0 or not todo)
     try:
@@ -268,7 +318,7 @@ def capture_split(
     if barrier is not None:
         barrier()
     if rank != 0:
-        return None
+        return None, {}
     shards = []
     for number in range(len(plan)):
         path = out_dir / _shard_name(number)
@@ -288,11 +338,15 @@ def capture_split(
         stats=dict(stats),
     )
     manifest.save(out_dir)
-    return manifest
+    # The manifest now records every shard's sha256; the per-shard records would only duplicate it.
+    for record_file in out_dir.glob(SHARD_GLOB + SHA256_SUFFIX):
+        record_file.unlink()
+    return manifest, {"shards_written": len(missing), "shards_kept": len(plan) - len(missing), "tokens_written": missing_tokens}
 
 
 def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str) -> dict:
-    """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0)."""
+    """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0):
+    what the shards hold under "splits", and this run's work and timings under "this_run"."""
     import torch
     import torch.distributed as dist
 
@@ -313,23 +367,28 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
         model, tokenizer = load_target(target, device=device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         tap = LayerTap(model, layer_ids)
-        summary = {"layer_ids": layer_ids, "splits": {}}
+        summary = {"layer_ids": layer_ids, "splits": {}, "this_run": {}}
         for split in SPLITS:
             sequences, stats = load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
             started = time.perf_counter()
-            manifest = capture_split(
+            manifest, written = capture_split(
                 sequences, stats, split=split, model=model, tap=tap, target=target, config=config,
                 layer_ids=layer_ids, out_dir=out_dir / split, pad_id=pad_id, rank=rank, world=world, barrier=barrier,
             )
             if manifest is not None:
+                seconds = time.perf_counter() - started
                 summary["splits"][split] = {
                     "sequences": manifest.sequences,
                     "tokens": manifest.tokens,
                     "loss_tokens": manifest.loss_tokens,
                     "shards": len(manifest.shards),
                     "bytes": sum(s.bytes for s in manifest.shards),
-                    "seconds": round(time.perf_counter() - started, 2),
                     "stats": manifest.stats,
+                }
+                summary["this_run"][split] = {
+                    **written,
+                    "seconds": round(seconds, 2),
+                    "tokens_per_s": round(written["tokens_written"] / seconds, 1) if written["tokens_written"] else None,
                 }
         tap.remove()
         summary["config"] = as_dict(config)

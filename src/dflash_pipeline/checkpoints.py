@@ -4,19 +4,24 @@ A run's output folder holds
 
     step_NNNNNN/model.safetensors   the drafter's weights (no pickle)
     step_NNNNNN/checkpoint.json     step, drafter config, metrics, git revision, run record
-    state.pt                        resume state of the latest checkpoint: step, optimizer moments,
-                                    RNG, curve so far, the run's record (plain tensors/containers,
-                                    loaded with weights_only)
-    state.json                      a readable copy of state.pt's step, curve and record
+    state/step_NNNNNN.pt            resume state of that checkpoint, for the newest two: step,
+                                    optimizer moments, RNG, curve so far, the run's record (plain
+                                    tensors/containers, loaded with weights_only)
+    state.json                      a readable copy of the newest state's step, curve and record
 
 Every file appears whole or not at all: a step folder is renamed into place when complete and
-state.pt is replaced atomically.
+each state file is written under a temporary name and renamed. A file can still be damaged later
+(a disk, a copy cut short, a hand), so resuming takes the newest step whose folder loads and
+whose state belongs to this run, and says which newer steps it passed over and why; keeping two
+states is what leaves an intact older step to fall back on.
 """
 
 import json
 import os
 import shutil
 from pathlib import Path
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +30,8 @@ from dflash_pipeline.files import write_json_atomic
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
 
 CHECKPOINT_FORMAT_VERSION = 1
+STATE_FOLDER = "state"
+KEEP_STATES = 2  # the newest checkpoint's, and one to fall back on when the newest is damaged
 
 
 def git_revision() -> str | None:
@@ -58,18 +65,42 @@ def save_checkpoint(out_dir: Path, *, step: int, drafter: DFlashDrafter, record:
     return final
 
 
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_checkpoint(folder: Path, *, device: str = "cpu") -> tuple[DFlashDrafter, dict]:
-    """A drafter from a step folder: weights from safetensors (no pickle), config from its JSON."""
+    """A drafter from a step folder: weights from safetensors (no pickle), config from its JSON.
+    A missing, cut or foreign file is one PipelineError line naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    folder = Path(folder)
+    info_path, weights_path = folder / "checkpoint.json", folder / "model.safetensors"
     try:
-        info = json.loads((Path(folder) / "checkpoint.json").read_text())
+        info = json.loads(info_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise PipelineError(f"{folder}: no checkpoint.json (not a checkpoint folder)") from None
-    if info.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-        raise PipelineError(f"{folder}/checkpoint.json: format_version {info.get('format_version')!r}, expected {CHECKPOINT_FORMAT_VERSION}")
-    drafter = DFlashDrafter(DrafterConfig.from_dict(info["drafter"]))
-    drafter.load_state_dict(load_file(Path(folder) / "model.safetensors", device="cpu"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"{info_path}: not valid JSON ({_one_line(exc)})") from None
+    if not isinstance(info, dict) or info.get("format_version") != CHECKPOINT_FORMAT_VERSION:
+        version = info.get("format_version") if isinstance(info, dict) else None
+        raise PipelineError(f"{info_path}: format_version {version!r}, expected {CHECKPOINT_FORMAT_VERSION}")
+    try:
+        drafter = DFlashDrafter(DrafterConfig.from_dict(info["drafter"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PipelineError(f"{info_path}: drafter config unusable ({_one_line(exc)})") from None
+    try:
+        weights = load_file(weights_path, device="cpu")
+    except FileNotFoundError:
+        raise PipelineError(f"{weights_path}: missing") from None
+    except (SafetensorError, OSError) as exc:
+        raise PipelineError(f"{weights_path}: unreadable safetensors file ({_one_line(exc)})") from None
+    try:
+        drafter.load_state_dict(weights)
+    except RuntimeError as exc:
+        raise PipelineError(f"{weights_path}: weights do not fit the drafter of checkpoint.json ({_one_line(exc)})") from None
     return drafter.to(device), info
 
 
@@ -78,28 +109,134 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(p for p in Path(out_dir).glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / "checkpoint.json").is_file())
 
 
+def state_path(out_dir: Path, step: int) -> Path:
+    return Path(out_dir) / STATE_FOLDER / f"step_{step:06d}.pt"
+
+
+def _step_number(path: Path) -> int | None:
+    digits = path.name.removeprefix("step_").removesuffix(".pt")
+    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
+
+
 def save_resume_state(out_dir: Path, *, step: int, optimizer, curve: list[dict], record: dict, extra: dict | None = None) -> None:
-    """Everything needed to continue exactly, in ONE file replaced atomically: step, optimizer
-    moments, RNG, curve so far and the run's settings. (Two files written one after the other
-    let a kill between them pair one step's optimizer with another step's weights.) `extra`: more
-    plain values to carry over (the loss window, token and time totals). state.json repeats step,
-    curve and settings for people and tools; resuming never reads it."""
+    """Everything needed to continue exactly from checkpoint `step`, in ONE file written atomically:
+    step, optimizer moments, RNG, curve so far and the run's settings. (Two files written one after
+    the other let a kill between them pair one step's optimizer with another step's weights.)
+    `extra`: more plain values to carry over (the loss window, token and time totals). The newest
+    KEEP_STATES files are kept. state.json repeats step, curve and settings for people and tools;
+    resuming never reads it."""
+    out_dir = Path(out_dir)
     state = {"step": step, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(), "curve": curve, "record": record,
              **(extra or {})}
-    tmp = Path(out_dir) / "state.pt.tmp"
+    final = state_path(out_dir, step)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + ".tmp")
     torch.save(state, tmp)
-    os.replace(tmp, Path(out_dir) / "state.pt")
-    write_json_atomic(Path(out_dir) / "state.json", {"step": step, "curve": curve, **record})
+    os.replace(tmp, final)
+    kept = sorted((p for p in final.parent.glob("step_*.pt") if _step_number(p) is not None), key=_step_number)
+    for old in kept[:-KEEP_STATES]:
+        old.unlink()
+    (out_dir / "state.pt").unlink(missing_ok=True)  # the single state file of earlier versions
+    write_json_atomic(out_dir / "state.json", {"step": step, "curve": curve, **record})
 
 
-def load_resume_state(out_dir: Path, record: dict) -> dict | None:
-    """The saved state (state.pt) when it belongs to this exact run configuration, else None."""
+@dataclass
+class ResumePoint:
+    """What a run folder offers: the newest step to continue from (0 and no state: nothing), the
+    newer steps passed over with why, and whether anything there was made by this configuration."""
+
+    step: int = 0
+    state: dict | None = None
+    drafter: DFlashDrafter | None = None
+    skipped: list[str] = field(default_factory=list)  # "step_000006: <file>: <why>", newest first
+    same_configuration: bool = False
+
+
+def _plain(value):
+    """`value` as it reads back from JSON (tuples become lists), to compare with a JSON record."""
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def _load_state(path: Path) -> dict | None:
     try:
-        state = torch.load(Path(out_dir) / "state.pt", weights_only=True)
-    except FileNotFoundError:
+        state = torch.load(path, weights_only=True)
+    except Exception:  # cut short, or not plain tensors and containers (another program's file)
         return None
-    except Exception:  # not loadable as plain tensors and containers (another program's file): start fresh
+    return state if isinstance(state, dict) and isinstance(state.get("step"), int) else None
+
+
+def _checkpoint_record(folder: Path, record: dict):
+    """The part of `folder`'s checkpoint.json that `record` describes, or None when unreadable."""
+    try:
+        info = json.loads((folder / "checkpoint.json").read_text(encoding="utf-8"))
+        return _plain({key: info.get(key) for key in record})
+    except (OSError, ValueError, AttributeError):
         return None
-    if state.get("record") != record or not step_folder(out_dir, state["step"]).is_dir():
-        return None
-    return state
+
+
+def load_resume_state(out_dir: Path, record: dict) -> ResumePoint:
+    """The newest checkpoint of this exact run configuration that can be continued: its state file
+    loads and carries `record`, and its folder loads. Newer steps that fail any of these are listed
+    in `skipped` with the reason; nothing is removed here."""
+    out_dir = Path(out_dir)
+    states = {_step_number(p): p for p in (out_dir / STATE_FOLDER).glob("step_*.pt") if _step_number(p) is not None}
+    legacy = _load_state(out_dir / "state.pt") if (out_dir / "state.pt").is_file() else None
+    if legacy is not None and legacy["step"] not in states:
+        states[legacy["step"]] = out_dir / "state.pt"
+    folders = {_step_number(p) for p in out_dir.glob("step_*") if p.is_dir() and _step_number(p) is not None}
+    wanted = _plain(record)
+    point = ResumePoint()
+    for step in sorted(set(states) | folders, reverse=True):
+        folder, state_file = step_folder(out_dir, step), states.get(step, state_path(out_dir, step))
+        state = (legacy if state_file.name == "state.pt" else _load_state(state_file)) if step in states else None
+        folder_matches = _checkpoint_record(folder, record) == wanted
+        if folder_matches or (state is not None and state.get("record") == record):
+            point.same_configuration = True
+        drafter = None
+        if not folder.is_dir():
+            reason = f"{folder}: checkpoint folder missing"
+        elif step not in states:
+            why = "the run stopped before writing it" if step > max(states, default=-1) else f"only the newest {KEEP_STATES} keep one"
+            reason = f"{state_file}: no resume state ({why})"
+        elif state is None:
+            reason = f"{state_file}: unreadable resume state"
+        elif state.get("record") != record or state["step"] != step:
+            reason = f"{state_file}: made by a different run configuration"
+        else:
+            try:
+                drafter, _ = load_checkpoint(folder)
+                reason = None if folder_matches else f"{folder / 'checkpoint.json'}: made by a different run configuration"
+            except PipelineError as exc:
+                reason = str(exc)
+        if reason is None:
+            point.step, point.state, point.drafter = step, state, drafter
+            return point
+        point.skipped.append(f"{folder.name}: {reason}")
+    return point
+
+
+def remove_checkpoints(out_dir: Path, *, newer_than: int = -1) -> int:
+    """Remove the step folders and resume states after step `newer_than` (all of them by default,
+    with state.json); return how many step folders went."""
+    out_dir = Path(out_dir)
+    removed = 0
+    for folder in out_dir.glob("step_*"):
+        step = _step_number(Path(folder.name.removesuffix(".tmp")))
+        if folder.is_dir() and step is not None and step > newer_than:
+            shutil.rmtree(folder)
+            removed += not folder.name.endswith(".tmp")
+    for path in (out_dir / STATE_FOLDER).glob("step_*.pt*"):
+        step = _step_number(Path(path.name.removesuffix(".tmp")))
+        if step is not None and step > newer_than:
+            path.unlink()
+    if newer_than < 0:
+        (out_dir / "state.pt").unlink(missing_ok=True)
+        (out_dir / "state.json").unlink(missing_ok=True)
+    else:
+        try:
+            stale = json.loads((out_dir / "state.json").read_text())["step"] > newer_than
+        except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+            stale = False
+        if stale:  # it described a step removed now; the next checkpoint writes it again
+            (out_dir / "state.json").unlink()
+    return removed

@@ -8,6 +8,9 @@ target.json) and `GenerateConfig`. Output folder (a persistent DVC output):
     chunks/chunk-NNNNN.parquet answers, written atomically batch by batch (the resume cache)
     train.parquet, val.parquet the selected prompts' rows, in prompt-file order
     summary.json               counts, token totals, finish reasons, skipped rows, settings
+                               (what the answers are; this run's timings are returned in the
+                               summary's `this_run`, which the stage writes as a metrics file
+                               outside the folder, so a rerun that adds nothing changes nothing)
 
 Rows hold the prompt id, category, messages, the exact prompt token ids (chat template applied)
 and the answer token ids (ending with the EOS token when the answer stopped), so later stages
@@ -177,7 +180,8 @@ def run_generate(
     out_dir: Path,
     device: str = "cpu",
 ) -> dict:
-    """Answer every prompt of `prompt_set` (resuming from `out_dir/chunks`); return the summary."""
+    """Answer every prompt of `prompt_set` (resuming from `out_dir/chunks`); return the summary:
+    summary.json's content plus `this_run` (answers reused and made now, seconds, tokens/s)."""
     import torch
 
     from dflash_pipeline.target import load_target
@@ -265,15 +269,15 @@ def run_generate(
         "categories": dict(Counter(r["category"] for rows in splits.values() for r in rows)),
         "skipped_rows": dict(skipped),
         "duplicate_prompts": prompt_set.duplicates,
-        "reused_answers": reused,
-        "this_run": {
-            "prompts": len(pending),
-            "new_tokens": new_tokens,
-            "seconds": round(elapsed, 2),
-            "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None,
-        },
         "settings": settings,
         "config": as_dict(config),
     }
     write_json_atomic(out_dir / "summary.json", summary)
+    summary["this_run"] = {
+        "reused_answers": reused,
+        "prompts": len(pending),
+        "new_tokens": new_tokens,
+        "seconds": round(elapsed, 2),
+        "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None,
+    }
     return summary

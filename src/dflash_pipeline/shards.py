@@ -17,6 +17,12 @@ bf16 is stored bit-exact as its 16-bit pattern; fp8-e4m3 halves the size with a 
 absmax scale. A shard is written under a temporary name and renamed when complete, so a
 visible shard is always whole. The manifest records the target fingerprint, layer ids, sizes,
 counts and each shard's sha256; `open_split` checks all of it before training or evaluation.
+
+Until the manifest exists (a capture still running, or killed), each finished shard has its
+sha256 beside it in `shard-NNNNN.arrow.sha256` (`sha256sum -c` format), written before the
+shard is renamed into place: a rerun keeps a shard only when its bytes match a record its
+writer made, never because it merely parses. Capture removes these files once the manifest,
+which records the same hashes, is written.
 """
 
 import os
@@ -28,12 +34,27 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
+from dflash_pipeline.files import read_json, sha256_file, write_json_atomic, write_text_atomic
 
 SHARD_FORMAT_VERSION = 1
 FEATURE_DTYPES = ("bf16", "fp8_e4m3")
 FP8_E4M3_MAX = 448.0
 SHARD_GLOB = "shard-*.arrow"
+SHA256_SUFFIX = ".sha256"
+
+
+def sha256_record_path(shard: Path) -> Path:
+    """Where a shard's own sha256 record lies until the manifest takes over."""
+    return Path(shard).with_name(Path(shard).name + SHA256_SUFFIX)
+
+
+def recorded_sha256(shard: Path) -> str | None:
+    """The sha256 its writer recorded beside `shard`, or None when there is no readable record."""
+    try:
+        digest = sha256_record_path(shard).read_text(encoding="ascii").split(maxsplit=1)[0]
+    except (FileNotFoundError, UnicodeDecodeError, IndexError):
+        return None
+    return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
 
 
 def bytes_per_token(feature_width: int, feature_dtype: str) -> int:
@@ -142,12 +163,16 @@ class ShardWriter:
         self.tokens += length
 
     def close(self) -> ShardInfo:
+        """Finish the file, record its sha256 beside it, then rename it into place: a visible
+        shard always has the record a rerun checks it against."""
         self._writer.close()
         self._sink.close()
         with open(self.tmp_path, "rb") as handle:
             os.fsync(handle.fileno())
+        digest = sha256_file(self.tmp_path)
+        write_text_atomic(sha256_record_path(self.path), f"{digest}  {self.path.name}\n")
         os.replace(self.tmp_path, self.path)
-        return ShardInfo(self.path.name, self.sequences, self.tokens, self.path.stat().st_size, sha256_file(self.path))
+        return ShardInfo(self.path.name, self.sequences, self.tokens, self.path.stat().st_size, digest)
 
     def abort(self) -> None:
         try:

@@ -19,7 +19,6 @@ that never holds more than `logits_chunk` x vocab logits. What a step sees depen
 import math
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +28,8 @@ import torch
 from dflash_pipeline.blocks import build_batch, default_gamma, training_anchor_seed
 from dflash_pipeline.checkpoints import (
     list_checkpoints,
-    load_checkpoint,
     load_resume_state,
+    remove_checkpoints,
     save_checkpoint,
     save_resume_state,
     step_folder,
@@ -216,14 +215,21 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     return run
 
 
+def _listed(skipped: list[str], limit: int = 2) -> str:
+    return "; ".join(skipped[:limit]) + (f"; and {len(skipped) - limit} more" if len(skipped) > limit else "")
+
+
 def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
-    """Continue from the saved state of this run configuration, or remove other runs' checkpoints."""
+    """Continue from the newest intact checkpoint of this run configuration (saying which newer ones
+    were passed over and why, then removing those), or start fresh and remove what is there."""
     import torch.distributed as dist
 
-    state = load_resume_state(out_dir, run.record) if run.config.resume else None
-    if state is not None:
-        drafter_state, _ = load_checkpoint(step_folder(out_dir, state["step"]))
-        run.drafter.load_state_dict(drafter_state.state_dict())
+    point = load_resume_state(out_dir, run.record) if run.config.resume else None
+    if run.world > 1:
+        dist.barrier()  # every rank has looked before rank 0 removes anything
+    if point is not None and point.state is not None:
+        state = point.state
+        run.drafter.load_state_dict(point.drafter.state_dict())
         run.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         run.start_step, run.curve = state["step"], state["curve"]
@@ -232,15 +238,21 @@ def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
         run.recent_losses = list(state.get("recent_losses") or [row["loss"] for row in run.curve[-LOSS_WINDOW:]])
         run.tokens_seen, run.seconds = int(state.get("tokens_seen", 0)), float(state.get("seconds", 0.0))
         if run.rank == 0:
-            log(f"train: resuming at step {run.start_step} from {step_folder(out_dir, run.start_step)}")
+            passed_over = f"; passed over and removed newer {_listed(point.skipped)}" if point.skipped else ""
+            log(f"train: resuming at step {run.start_step} from {step_folder(out_dir, run.start_step)}{passed_over}")
+            remove_checkpoints(out_dir, newer_than=run.start_step)
     elif run.rank == 0:
-        stale = list_checkpoints(out_dir)
-        if stale:
-            log(f"train: starting fresh; removing {len(stale)} checkpoint(s) of a different run configuration")
-        for folder in stale:
-            shutil.rmtree(folder)
-        for name in ("state.pt", "state.json"):
-            (out_dir / name).unlink(missing_ok=True)
+        stale = len(list_checkpoints(out_dir))
+        if point is None:
+            message = f"starting fresh (train.resume is false); removing {stale} checkpoint(s)" if stale else ""
+        elif point.same_configuration:
+            message = (f"starting fresh: no checkpoint of this run configuration can be continued ({_listed(point.skipped)}); "
+                       f"removing {stale} checkpoint(s)")
+        else:
+            message = f"starting fresh; removing {stale} checkpoint(s) of a different run configuration" if point.skipped else ""
+        if message:
+            log(f"train: {message}")
+        remove_checkpoints(out_dir)
     if run.world > 1:
         dist.barrier()
 
