@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import reuse_or_reset, sha256_file
+from dflash_pipeline.files import format_bytes, reuse_or_reset, sha256_file
 from dflash_pipeline.prompts import read_generated
 from dflash_pipeline.shards import (
     SHA256_SUFFIX,
@@ -236,12 +236,104 @@ def _warmup_tokens_per_s(model, tap, sequences: list[Sequence], pad_id: int) -> 
     return sum(len(s.input_ids) for s in sample) / max(time.perf_counter() - started, 1e-6)
 
 
-def _format_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if count < 1024 or unit == "TB":
-            return f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TB"
+@dataclass
+class SplitPlan:
+    """What goes where in one split: shards -> batches -> sequence indices, and their sizes."""
+
+    shards: list[list[list[int]]]
+    shard_sequences: list[int]
+    shard_tokens: list[int]
+    feature_width: int
+    token_bytes: int
+    record: dict  # everything the shards' bytes depend on (capture.json)
+
+    @classmethod
+    def make(cls, sequences: list[Sequence], *, config: CaptureConfig, target: TargetInfo, layer_ids: list[int],
+             compute_dtype: str) -> "SplitPlan":
+        width = len(layer_ids) * target.hidden_size
+        token_bytes = bytes_per_token(width, config.feature_dtype)
+        shards = plan_shards(sequences, token_bytes=token_bytes, shard_bytes=config.shard_mb << 20, batch_tokens=config.batch_tokens)
+        return cls(shards=shards, shard_sequences=[sum(len(batch) for batch in shard) for shard in shards],
+                   shard_tokens=[sum(len(sequences[i].input_ids) for batch in shard for i in batch) for shard in shards],
+                   feature_width=width, token_bytes=token_bytes,
+                   record={"settings": capture_settings(config, target, layer_ids, compute_dtype), "plan_sha256": _plan_digest(sequences)})
+
+
+def _prepare_split(plan: SplitPlan, sequences: list[Sequence], *, split: str, out_dir: Path, model, tap, config: CaptureConfig,
+                   layer_ids: list[int], hidden_size: int, pad_id: int, world: int) -> list[int]:
+    """Rank 0, before any rank writes: keep only verified shards of these settings, print the
+    estimate, check the disk. Returns the shard numbers still to write."""
+    dropped = reuse_or_reset(out_dir, "capture.json", plan.record, SHARD_GLOB)
+    if dropped:
+        print(f"capture {split}: inputs or settings changed; removed {dropped} old shard(s)")
+    _drop_unverified_shards(out_dir, split, len(plan.shards))
+    missing = [n for n in range(len(plan.shards)) if not (out_dir / _shard_name(n)).is_file()]
+    missing_tokens = sum(plan.shard_tokens[n] for n in missing)
+    total_tokens = sum(plan.shard_tokens)
+    line = (
+        f"capture {split}: {len(sequences)} sequences, {total_tokens:,} tokens in {len(plan.shards)} shard(s), "
+        f"{len(plan.shards) - len(missing)} already done; layers {layer_ids} x {hidden_size} in {config.feature_dtype} "
+        f"= {plan.token_bytes} B/token -> {format_bytes(total_tokens * plan.token_bytes)}"
+    )
+    if missing:
+        rate = _warmup_tokens_per_s(model, tap, sequences, pad_id) * world
+        line += f"; about {missing_tokens / rate / 60:.1f} min at {rate:.0f} tokens/s (warm-up batch)"
+    print(line)
+    needed, free = missing_tokens * plan.token_bytes, shutil.disk_usage(out_dir).free
+    if needed * 1.02 > free:
+        raise PipelineError(f"{out_dir}: capture needs about {format_bytes(needed)} for shards, only {format_bytes(free)} free on that disk")
+    return missing
+
+
+def _write_shards(numbers: list[int], plan: SplitPlan, sequences: list[Sequence], *, split: str, out_dir: Path, model, tap,
+                  feature_dtype: str, pad_id: int, show_progress: bool) -> None:
+    """Write the given shards, each under a temporary name renamed into place when complete."""
+    from dflash_pipeline.progress import progress
+
+    bar = progress(total=sum(plan.shard_tokens[n] for n in numbers), unit="tok", unit_scale=True, desc=f"capture {split}",
+                   disable=not show_progress or not numbers)
+    try:
+        for number in numbers:
+            writer = ShardWriter(out_dir / _shard_name(number), feature_dtype=feature_dtype, feature_width=plan.feature_width)
+            try:
+                for batch_indices in plan.shards[number]:
+                    batch = [sequences[i] for i in batch_indices]
+                    for sequence, (features, target_next) in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id)):
+                        writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, target_next.numpy(), features)
+                    bar.update(sum(len(s.input_ids) for s in batch))
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    finally:
+        bar.close()
+
+
+def _write_manifest(plan: SplitPlan, sequences: list[Sequence], stats: Counter, *, split: str, out_dir: Path, target: TargetInfo,
+                    layer_ids: list[int], feature_dtype: str) -> Manifest:
+    shards = []
+    for number in range(len(plan.shards)):
+        path = out_dir / _shard_name(number)
+        shards.append(ShardInfo(path.name, plan.shard_sequences[number], plan.shard_tokens[number], path.stat().st_size, sha256_file(path)))
+    manifest = Manifest(
+        split=split,
+        target_fingerprint=target.fingerprint,
+        layer_ids=layer_ids,
+        hidden_size=target.hidden_size,
+        num_target_layers=target.num_layers,
+        feature_dtype=feature_dtype,
+        feature_width=plan.feature_width,
+        sequences=len(sequences),
+        tokens=sum(plan.shard_tokens),
+        loss_tokens=sum(sum(s.loss_mask) for s in sequences),
+        shards=shards,
+        stats=dict(stats),
+    )
+    manifest.save(out_dir)
+    # The manifest now records every shard's sha256; the per-shard records would only duplicate it.
+    for record_file in out_dir.glob(SHARD_GLOB + SHA256_SUFFIX):
+        record_file.unlink()
+    return manifest
 
 
 def capture_split(
@@ -261,87 +353,27 @@ def capture_split(
     barrier=None,
 ) -> tuple[Manifest | None, dict]:
     """Capture one split into `out_dir`; return its manifest and what this run wrote (rank 0),
-    or (None, {}) on other ranks."""
-    from dflash_pipeline.progress import progress
-
+    or (None, {}) on other ranks. Rank r writes shards r, r + world, ... of the one plan."""
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    width = len(layer_ids) * target.hidden_size
-    token_bytes = bytes_per_token(width, config.feature_dtype)
-    plan = plan_shards(sequences, token_bytes=token_bytes, shard_bytes=config.shard_mb << 20, batch_tokens=config.batch_tokens)
-    record = {"settings": capture_settings(config, target, layer_ids, compute_dtype), "plan_sha256": _plan_digest(sequences)}
-    shard_sequences = [sum(len(batch) for batch in shard) for shard in plan]
-    shard_tokens = [sum(len(sequences[i].input_ids) for batch in shard for i in batch) for shard in plan]
-    total_tokens = sum(shard_tokens)
+    plan = SplitPlan.make(sequences, config=config, target=target, layer_ids=layer_ids, compute_dtype=compute_dtype)
+    missing = []
     if rank == 0:
-        # Decide, estimate and check the disk before any rank writes a byte.
-        dropped = reuse_or_reset(out_dir, "capture.json", record, SHARD_GLOB)
-        if dropped:
-            print(f"capture {split}: inputs or settings changed; removed {dropped} old shard(s)")
-        _drop_unverified_shards(out_dir, split, len(plan))
-        missing = [n for n in range(len(plan)) if not (out_dir / _shard_name(n)).is_file()]
-        missing_tokens = sum(shard_tokens[n] for n in missing)
-        line = (
-            f"capture {split}: {len(sequences)} sequences, {total_tokens:,} tokens in {len(plan)} shard(s), "
-            f"{len(plan) - len(missing)} already done; layers {layer_ids} x {target.hidden_size} in {config.feature_dtype} "
-            f"= {token_bytes} B/token -> {_format_bytes(total_tokens * token_bytes)}"
-        )
-        if missing:
-            rate = _warmup_tokens_per_s(model, tap, sequences, pad_id) * world
-            line += f"; about {missing_tokens / rate / 60:.1f} min at {rate:.0f} tokens/s (warm-up batch)"
-        print(line)
-        needed, free = missing_tokens * token_bytes, shutil.disk_usage(out_dir).free
-        if needed * 1.02 > free:
-            raise PipelineError(
-                f"{out_dir}: capture needs about {_format_bytes(needed)} for shards, only {_format_bytes(free)} free on that disk"
-            )
+        missing = _prepare_split(plan, sequences, split=split, out_dir=out_dir, model=model, tap=tap, config=config,
+                                 layer_ids=layer_ids, hidden_size=target.hidden_size, pad_id=pad_id, world=world)
     if barrier is not None:
         barrier()
     # Rank 0 removed every shard it could not verify before the barrier: what is there is kept.
-    todo = [n for n in range(rank, len(plan), world) if not (out_dir / _shard_name(n)).is_file()]
-    todo_tokens = sum(shard_tokens[n] for n in todo)
-    bar = progress(total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture {split}", disable=rank != 0 or not todo)
-    try:
-        for number in todo:
-            writer = ShardWriter(out_dir / _shard_name(number), feature_dtype=config.feature_dtype, feature_width=width)
-            try:
-                for batch_indices in plan[number]:
-                    batch = [sequences[i] for i in batch_indices]
-                    for sequence, (features, target_next) in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id)):
-                        writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, target_next.numpy(), features)
-                    bar.update(sum(len(s.input_ids) for s in batch))
-            except BaseException:
-                writer.abort()
-                raise
-            writer.close()
-    finally:
-        bar.close()
+    todo = [n for n in range(rank, len(plan.shards), world) if not (out_dir / _shard_name(n)).is_file()]
+    _write_shards(todo, plan, sequences, split=split, out_dir=out_dir, model=model, tap=tap, feature_dtype=config.feature_dtype,
+                  pad_id=pad_id, show_progress=rank == 0)
     if barrier is not None:
         barrier()
     if rank != 0:
         return None, {}
-    shards = []
-    for number in range(len(plan)):
-        path = out_dir / _shard_name(number)
-        shards.append(ShardInfo(path.name, shard_sequences[number], shard_tokens[number], path.stat().st_size, sha256_file(path)))
-    manifest = Manifest(
-        split=split,
-        target_fingerprint=target.fingerprint,
-        layer_ids=layer_ids,
-        hidden_size=target.hidden_size,
-        num_target_layers=target.num_layers,
-        feature_dtype=config.feature_dtype,
-        feature_width=width,
-        sequences=len(sequences),
-        tokens=total_tokens,
-        loss_tokens=sum(sum(s.loss_mask) for s in sequences),
-        shards=shards,
-        stats=dict(stats),
-    )
-    manifest.save(out_dir)
-    # The manifest now records every shard's sha256; the per-shard records would only duplicate it.
-    for record_file in out_dir.glob(SHARD_GLOB + SHA256_SUFFIX):
-        record_file.unlink()
-    return manifest, {"shards_written": len(missing), "shards_kept": len(plan) - len(missing), "tokens_written": missing_tokens}
+    manifest = _write_manifest(plan, sequences, stats, split=split, out_dir=out_dir, target=target, layer_ids=layer_ids,
+                               feature_dtype=config.feature_dtype)
+    return manifest, {"shards_written": len(missing), "shards_kept": len(plan.shards) - len(missing),
+                      "tokens_written": sum(plan.shard_tokens[n] for n in missing)}
 
 
 def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str) -> dict:

@@ -20,6 +20,7 @@ import click
 
 from dflash_pipeline.config import EvaluateConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import format_bytes
 from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
 
 DEFAULTS = EvaluateConfig()
@@ -118,14 +119,6 @@ def parse_tree_budgets(ctx, param, value: str) -> list[int]:
     if any(budget < 1 for budget in budgets):
         raise click.BadParameter(f"{value!r}: every budget must be >= 1")
     return budgets
-
-
-def size(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if count < 1024:
-            return f"{count:.1f} {unit}"
-        count /= 1024
-    return f"{count:.1f} TB"
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -234,7 +227,7 @@ def verify_shards(folder, target_path):
         verify_split(split, manifest)
         checked = " (matches --target)" if target is not None else ""
         click.echo(f"{split}: ok, {manifest.sequences} sequences, {manifest.tokens} tokens ({manifest.loss_tokens} answer) in "
-                   f"{len(manifest.shards)} shard(s) of {size(sum(s.bytes for s in manifest.shards))}; layers {manifest.layer_ids} "
+                   f"{len(manifest.shards)} shard(s) of {format_bytes(sum(s.bytes for s in manifest.shards))}; layers {manifest.layer_ids} "
                    f"x {manifest.hidden_size} in {manifest.feature_dtype}; target {manifest.target_fingerprint[:12]}{checked}")
 
 
@@ -278,7 +271,7 @@ def weights_line(files: list[Path]) -> str:
             raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     kinds = ", ".join(sorted(names.get(d, d) for d in dtypes)) or "no tensors"
-    return f"{kinds}, {parameters / 1e6:.2f} M parameters, {size(sum(f.stat().st_size for f in files))} in {len(files)} file(s)"
+    return f"{kinds}, {parameters / 1e6:.2f} M parameters, {format_bytes(sum(f.stat().st_size for f in files))} in {len(files)} file(s)"
 
 
 def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
@@ -331,7 +324,7 @@ def split_contract(folder: Path) -> list[tuple[str, object]]:
         ("feature width", manifest.feature_width),
         ("sequences", manifest.sequences),
         ("tokens", f"{manifest.tokens} ({manifest.loss_tokens} answer tokens)"),
-        ("shards", f"{len(manifest.shards)} ({size(sum(s.bytes for s in manifest.shards))})"),
+        ("shards", f"{len(manifest.shards)} ({format_bytes(sum(s.bytes for s in manifest.shards))})"),
         ("capture stats", stats or None),
     ]
 

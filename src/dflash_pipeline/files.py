@@ -74,3 +74,12 @@ def atomic_path(path: Path):
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def format_bytes(count: float) -> str:
+    """A byte count for people: 1.5 MB, 3.0 GB (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1024 or unit == "TB":
+            return f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TB"

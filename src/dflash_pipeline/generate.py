@@ -172,6 +172,57 @@ def _progress_bar(total: int, done: int):
     return progress(total=total, initial=done, unit="prompt", desc="generate")
 
 
+def select_prompts(prompt_set: PromptSet, tokenizer, config: GenerateConfig) -> tuple[list[tuple[Prompt, list[int]]], Counter]:
+    """The prompts to answer with their rendered token ids, and the skipped rows by reason."""
+    skipped = Counter(prompt_set.skipped)
+    selected: list[tuple[Prompt, list[int]]] = []
+    for prompt in prompt_set.prompts:
+        ids = render_prompt(tokenizer, prompt, system_prompt=config.system_prompt, enable_thinking=config.enable_thinking)
+        if len(ids) > config.max_prompt_tokens:
+            skipped[f"longer than max_prompt_tokens={config.max_prompt_tokens}"] += 1
+            continue
+        selected.append((prompt, ids))
+    return selected, skipped
+
+
+def answer_pending(model, pending: list[tuple[Prompt, list[int]]], cache: "AnswerCache", *, config: GenerateConfig, eos_ids: set[int],
+                   pad_id: int, bar) -> int:
+    """Answer `pending` batch by batch, each batch saved to the cache as it finishes; returns the new tokens."""
+    import torch
+
+    new_tokens = 0
+    started = time.perf_counter()
+
+    def on_step(tokens: int, finished: int) -> None:
+        nonlocal new_tokens
+        new_tokens += tokens
+        bar.set_postfix_str(f"{new_tokens / max(time.perf_counter() - started, 1e-9):.1f} tok/s", refresh=False)
+        bar.update(finished)
+
+    torch.manual_seed(0)  # greedy decoding is deterministic; seeded anyway for any sampling op
+    for start in range(0, len(pending), config.batch_size):
+        batch = pending[start : start + config.batch_size]
+        answers = greedy_generate(model, [ids for _, ids in batch], max_new_tokens=config.max_new_tokens, eos_ids=eos_ids,
+                                  pad_id=pad_id, on_step=on_step)
+        cache.add([{"prompt_id": prompt.id, "category": prompt.category, "split": prompt.split, "messages": prompt.as_messages(),
+                    "prompt_ids": ids, "answer_ids": answer.token_ids, "finish_reason": answer.finish_reason}
+                   for (prompt, ids), answer in zip(batch, answers)])
+    return new_tokens
+
+
+def write_splits(selected: list[tuple[Prompt, list[int]]], cache: "AnswerCache", *, out_dir: Path, settings: dict) -> dict[str, list[dict]]:
+    """train.parquet and val.parquet: the selected prompts' rows, in prompt-file order."""
+    splits: dict[str, list[dict]] = {"train": [], "val": []}
+    for prompt, _ in selected:
+        row = dict(cache.rows[prompt.id])
+        row["split"] = prompt.split  # the split is a property of the prompt set, not of the answer
+        row["category"] = prompt.category
+        splits[prompt.split].append(row)
+    for split, rows in splits.items():
+        _write_parquet_atomic(_rows_table(rows, settings), out_dir / f"{split}.parquet")
+    return splits
+
+
 def run_generate(
     prompt_set: PromptSet,
     *,
@@ -182,8 +233,6 @@ def run_generate(
 ) -> dict:
     """Answer every prompt of `prompt_set` (resuming from `out_dir/chunks`); return the summary:
     summary.json's content plus `this_run` (answers reused and made now, seconds, tokens/s)."""
-    import torch
-
     from dflash_pipeline.target import load_target
 
     model, tokenizer = load_target(target, device=device)
@@ -192,78 +241,26 @@ def run_generate(
     cache = AnswerCache(out_dir / "chunks", settings)
     if cache.discarded:
         print(f"generate: settings changed since the cached answers; discarded {cache.discarded} chunk(s)")
-
-    skipped = Counter(prompt_set.skipped)
-    selected: list[tuple[Prompt, list[int]]] = []
-    for prompt in prompt_set.prompts:
-        ids = render_prompt(tokenizer, prompt, system_prompt=config.system_prompt, enable_thinking=config.enable_thinking)
-        if len(ids) > config.max_prompt_tokens:
-            skipped[f"longer than max_prompt_tokens={config.max_prompt_tokens}"] += 1
-            continue
-        selected.append((prompt, ids))
+    selected, skipped = select_prompts(prompt_set, tokenizer, config)
     pending = [(p, ids) for p, ids in selected if p.id not in cache.rows]
     reused = len(selected) - len(pending)
     if reused:
         print(f"generate: resuming, {reused} of {len(selected)} prompts already answered")
     # Longest first: similar lengths share a batch (little padding) and memory peaks at once.
     pending.sort(key=lambda item: -len(item[1]))
-
     eos_ids = set(target.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     bar = _progress_bar(len(selected), reused)
-    new_tokens = 0
     started = time.perf_counter()
-
-    def on_step(tokens: int, finished: int) -> None:
-        nonlocal new_tokens
-        new_tokens += tokens
-        elapsed = max(time.perf_counter() - started, 1e-9)
-        bar.set_postfix_str(f"{new_tokens / elapsed:.1f} tok/s", refresh=False)
-        bar.update(finished)
-
-    torch.manual_seed(0)  # greedy decoding is deterministic; seeded anyway for any sampling op
     try:
-        for start in range(0, len(pending), config.batch_size):
-            batch = pending[start : start + config.batch_size]
-            answers = greedy_generate(
-                model,
-                [ids for _, ids in batch],
-                max_new_tokens=config.max_new_tokens,
-                eos_ids=eos_ids,
-                pad_id=pad_id,
-                on_step=on_step,
-            )
-            cache.add(
-                [
-                    {
-                        "prompt_id": prompt.id,
-                        "category": prompt.category,
-                        "split": prompt.split,
-                        "messages": prompt.as_messages(),
-                        "prompt_ids": ids,
-                        "answer_ids": answer.token_ids,
-                        "finish_reason": answer.finish_reason,
-                    }
-                    for (prompt, ids), answer in zip(batch, answers)
-                ]
-            )
+        new_tokens = answer_pending(model, pending, cache, config=config, eos_ids=eos_ids, pad_id=pad_id, bar=bar)
     finally:
         bar.close()
     elapsed = time.perf_counter() - started
-
-    splits: dict[str, list[dict]] = {"train": [], "val": []}
-    for prompt, _ in selected:
-        row = dict(cache.rows[prompt.id])
-        row["split"] = prompt.split  # the split is a property of the prompt set, not of the answer
-        row["category"] = prompt.category
-        splits[prompt.split].append(row)
-    for split, rows in splits.items():
-        _write_parquet_atomic(_rows_table(rows, settings), out_dir / f"{split}.parquet")
-
-    answer_tokens = {s: sum(len(r["answer_ids"]) for r in rows) for s, rows in splits.items()}
+    splits = write_splits(selected, cache, out_dir=out_dir, settings=settings)
     summary = {
         "prompts": {s: len(rows) for s, rows in splits.items()},
-        "answer_tokens": answer_tokens,
+        "answer_tokens": {s: sum(len(r["answer_ids"]) for r in rows) for s, rows in splits.items()},
         "prompt_tokens": {s: sum(len(r["prompt_ids"]) for r in rows) for s, rows in splits.items()},
         "finish_reasons": dict(Counter(r["finish_reason"] for rows in splits.values() for r in rows)),
         "categories": dict(Counter(r["category"] for rows in splits.values() for r in rows)),
@@ -273,11 +270,6 @@ def run_generate(
         "config": as_dict(config),
     }
     write_json_atomic(out_dir / "summary.json", summary)
-    summary["this_run"] = {
-        "reused_answers": reused,
-        "prompts": len(pending),
-        "new_tokens": new_tokens,
-        "seconds": round(elapsed, 2),
-        "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None,
-    }
+    summary["this_run"] = {"reused_answers": reused, "prompts": len(pending), "new_tokens": new_tokens, "seconds": round(elapsed, 2),
+                           "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None}
     return summary

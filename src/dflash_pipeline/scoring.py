@@ -115,6 +115,8 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
     in the same order whatever the budget, so one growth to the largest budget serves them all:
     the tree of budget k is the first k pops.
     """
+    # One function on purpose (~70 lines): the growth is a single lockstep loop over a dozen
+    # per-node arrays; split up, those arrays would travel through every call.
     n, depth, width = logprobs.shape
     top = max([0, *budgets])
     result = {budget: np.zeros(n, dtype=np.int64) for budget in budgets}
@@ -247,6 +249,8 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
     Block `anchors_per_sequence` anchors per val sequence (0: every anchor), drawn by
     `scoring_anchor_seed(seed, sequence)`. Leaves the drafter in eval mode.
     """
+    # One function on purpose (~70 lines): packing, the forwards and the head's chunks share the
+    # pending queue and the reused logits buffer, which a split would have to pass around.
     drafter.eval()
     config = drafter.config
     block_size, cap = config.block_size, _anchors_cap(anchors_per_sequence)
