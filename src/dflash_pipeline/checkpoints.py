@@ -19,9 +19,8 @@ states is what leaves an intact older step to fall back on.
 import json
 import os
 import shutil
-from pathlib import Path
-
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
