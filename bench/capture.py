@@ -46,8 +46,8 @@ def _capture(model, tap, batches, pad_id, folder: Path, width: int):
 
     writer = ShardWriter(folder / "shard-00000.arrow", feature_dtype="bf16", feature_width=width)
     for batch in batches:
-        for sequence, (features, target_next) in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id)):
-            writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, target_next.numpy(), features)
+        for sequence, out in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id)):
+            writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, out.target_next.numpy(), out.features)
     return writer.close()
 
 

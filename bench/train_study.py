@@ -4,8 +4,11 @@
 
 Needs the `capture` stage's shards (dvc repro capture). Each recipe trains from scratch on the
 same shards for the same wall-clock budget, in this one process, one after another; tau is
-measured on the same fixed validation blocks every --eval-every steps. Prints a table and writes
-`<out>.csv` (recipe, step, seconds, loss, tau, tau_ci95) and `<out>.png`.
+measured on the same fixed validation blocks every --eval-every steps. Each recipe's final drafter
+is then scored as `evaluate` scores it (every val prompt, `evaluate.anchors_per_sequence` anchors,
+DDTree-8) and compared with the FIRST recipe by the paired difference over prompts (same blocks),
+so "better" means clear of zero at 95%. Prints a table and writes `<out>.csv` (recipe, step,
+seconds, loss, tau, tau_ci95), `<out>.json` (the final comparison) and `<out>.png`.
 """
 
 import csv
@@ -29,6 +32,25 @@ RECIPES = {
     "B8 lr2e-3 a8 t4096": {"block_size": 8, "lr": 2e-3, "anchors_per_sequence": 8, "tokens_per_step": 4096},
     "B4 lr2e-3 a32": {"block_size": 4, "lr": 2e-3, "anchors_per_sequence": 32},
     "B4 lr2e-3 a8 t4096": {"block_size": 4, "lr": 2e-3, "anchors_per_sequence": 8, "tokens_per_step": 4096},
+    "B4 norm": {"block_size": 4, "lr": 2e-3, "feature_norm": "channel_rms"},
+    "B4 distill": {"block_size": 4, "lr": 2e-3, "distill_weight": 0.5},
+    "B4 distill1": {"block_size": 4, "lr": 2e-3, "distill_weight": 1.0},
+    "B4 norm distill": {"block_size": 4, "lr": 2e-3, "feature_norm": "channel_rms", "distill_weight": 0.5},
+    "B4 data-vocab": {"block_size": 4, "lr": 2e-3, "train_vocab": "data"},
+    "B4 norm distill data-vocab": {"block_size": 4, "lr": 2e-3, "feature_norm": "channel_rms", "distill_weight": 0.5,
+                                   "train_vocab": "data"},
+    "NDV": {"block_size": 4, "lr": 2e-3, "feature_norm": "channel_rms", "distill_weight": 0.5, "train_vocab": "data"},
+    "NDV a32": {"block_size": 4, "lr": 2e-3, "feature_norm": "channel_rms", "distill_weight": 0.5, "train_vocab": "data",
+                "anchors_per_sequence": 32},
+    "NDV 2L": {"block_size": 4, "lr": 2e-3, "feature_norm": "channel_rms", "distill_weight": 0.5, "train_vocab": "data",
+               "num_layers": 2},
+    "DV a32": {"block_size": 4, "lr": 2e-3, "train_vocab": "data", "anchors_per_sequence": 32},
+    "DV a64 t4096": {"block_size": 4, "lr": 2e-3, "train_vocab": "data", "anchors_per_sequence": 64, "tokens_per_step": 4096},
+    "DV 2L": {"block_size": 4, "lr": 2e-3, "train_vocab": "data", "num_layers": 2},
+    "DV lr4e-3": {"block_size": 4, "lr": 4e-3, "train_vocab": "data"},
+    "DV B6": {"block_size": 6, "lr": 2e-3, "train_vocab": "data"},
+    "B4 norm distill data-vocab 2L": {"block_size": 4, "lr": 2e-3, "feature_norm": "channel_rms", "distill_weight": 0.5,
+                                      "train_vocab": "data", "num_layers": 2},
 }
 
 
@@ -40,14 +62,22 @@ RECIPES = {
 @click.option("--recipes", default=",".join(RECIPES), show_default=True, help="Comma-separated recipe names.")
 @click.option("--out", type=click.Path(path_type=Path), default="bench/results/train_study", show_default=True)
 def main(hidden, target_json, minutes, eval_every, recipes, out):
+    import json
+
+    from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.target import TargetInfo
+    from dflash_pipeline.scoring import comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
+    from dflash_pipeline.shards import open_split
+    from dflash_pipeline.target import TargetInfo, load_target_head
     from dflash_pipeline import train as train_module
 
-    base = load_params("params.yaml").train
+    params = load_params("params.yaml")
+    base, evaluate = params.train, params.evaluate
     target = TargetInfo.from_json(target_json)
+    head = load_target_head(target, device="cpu", dtype=__import__("torch").float32)
+    val_set = open_split(hidden / "val", expected_fingerprint=target.fingerprint)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, finals, reference = [], [], None
     for name in recipes.split(","):
         overrides = RECIPES[name]
         # Steps sized from a measured step time so the cosine schedule ends near the budget.
@@ -61,12 +91,29 @@ def main(hidden, target_json, minutes, eval_every, recipes, out):
         with tempfile.TemporaryDirectory() as scratch:
             result = train_module.run_train(config, target=target, train_dir=hidden / "train", val_dir=hidden / "val",
                                             out_dir=Path(scratch), device="cpu", log=lambda *_: None)
+            drafter, _ = load_checkpoint(list_checkpoints(Path(scratch))[-1])
+        scores = score_teacher_forced(drafter, head, val_set, anchors_per_sequence=evaluate.anchors_per_sequence,
+                                      tokens_per_batch=evaluate.tokens_per_batch, tree_budgets=[8], seed=evaluate.seed)
+        final = {"recipe": name, "steps": steps, "train_seconds": result["seconds"], **summarize_blocks(scores)}
+        if reference is None:
+            reference = (name, scores)
+        else:
+            mean, half, prompts = paired_difference(scores, reference[1])
+            final.update(tau_vs_first=round(mean, 4), tau_vs_first_ci95=round(half, 4))
+            print(comparison_verdict(name, reference[0], mean, half, prompts), flush=True)
+        finals.append(final)
         for row in result["curve"]:
             if "tau" in row:
                 rows.append({"recipe": name, "step": row["step"], "seconds": row["seconds"], "loss": row["loss"],
                              "tau": row["tau"], "tau_ci95": row["tau_ci95"]})
         print(f"{name:32s} {steps:5d} steps  tau {result['tau_tf']:.3f} +- {result['tau_tf_ci95']:.3f}  "
               f"loss {result['loss']:.3f}  slots {[round(a, 3) for a in result['slot_accuracy'][:4]]}", flush=True)
+    out.with_suffix(".json").write_text(json.dumps(finals, indent=2) + "\n")
+    print(f"{'recipe':32s} {'steps':>5s} {'tau (evaluate)':>16s} {'vs first':>18s} {'ddtree8':>8s} slot1")
+    for final in finals:
+        versus = f"{final['tau_vs_first']:+.3f} +- {final['tau_vs_first_ci95']:.3f}" if "tau_vs_first" in final else "(reference)"
+        print(f"{final['recipe']:32s} {final['steps']:5d} {final['tau']:8.3f} +- {final['tau_ci95']:.3f} {versus:>18s} "
+              f"{final['ddtree8_streak']:8.3f} {final['slot1_acc']:.3f}")
     with open(out.with_suffix(".csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

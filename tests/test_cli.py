@@ -191,7 +191,14 @@ def test_export_writes_a_folder_that_loads_back(tiny, tmp_path):
     original, _ = load_checkpoint(tiny.checkpoint)
     assert info["stored_dtype"] == "bfloat16" and info["provenance"]["source"]["step"] == 4
     assert drafter.config == original.config
-    for name, tensor in original.state_dict().items():
+    # The feature scale travels folded into fc.weight; the draft vocabulary in its own file.
+    expected = {**original.state_dict(), "fc.weight": original.folded_fc_weight().detach(),
+                "feature_scale": torch.ones_like(original.feature_scale)}
+    assert not torch.equal(original.feature_scale, expected["feature_scale"])  # the default recipe scales
+    for name, tensor in expected.items():
+        if name == "draft_vocab":
+            assert original.draft_vocab.numel() > 0 and torch.equal(drafter.draft_vocab, original.draft_vocab)
+            continue
         assert torch.equal(drafter.state_dict()[name], tensor.to(torch.bfloat16).float()), name
 
     assert_one_line_error(invoke("export", tiny.export, tmp_path / "again"), "no checkpoint.json")

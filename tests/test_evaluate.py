@@ -25,7 +25,7 @@ from dflash_pipeline.scoring import (
     score_teacher_forced,
     summarize_blocks,
 )
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+from dflash_pipeline.model import DFlashDrafter, DraftCache, DrafterConfig, draft_block
 from dflash_pipeline.target import TargetHead
 from dflash_pipeline.shards import Sample
 
@@ -426,10 +426,10 @@ def test_logits_written_into_a_reused_buffer_equal_the_heads_own():
     head = TargetHead(torch.randn(50, 8), torch.randn(50, 8))
     buffer = torch.empty(4 * 3 * 50)
     hidden = torch.randn(4, 3, 8)
-    first = logits_into(head, hidden, buffer)
+    first = logits_into(head.lm_head_weight, hidden, buffer)
     assert first.shape == (4, 3, 50) and first.data_ptr() == buffer.data_ptr()
     torch.testing.assert_close(first, head.logits(hidden), rtol=0, atol=0)
-    fewer = logits_into(head, hidden[:1, 1:], buffer)  # a strided slice, fewer rows: the same storage
+    fewer = logits_into(head.lm_head_weight, hidden[:1, 1:], buffer)  # a strided slice, fewer rows: the same storage
     torch.testing.assert_close(fewer, head.logits(hidden[:1, 1:]), rtol=0, atol=0)
 
 
@@ -462,3 +462,54 @@ def test_a_sliding_window_drafter_drafts_the_same_batched_as_at_decoding():
         torch.testing.assert_close(ours, torch.stack(at_decoding), rtol=1e-5, atol=1e-5)
         unwindowed, _ = batched_logits(drafter)
     assert (ours - unwindowed).abs().max() > 1e-3  # the window matters on this data
+
+
+# ----------------------------------------------------------------------------- a draft vocabulary
+
+def test_a_draft_vocabulary_drafts_and_scores_in_its_own_columns():
+    # A drafter trained with `train_vocab: data` drafts over those tokens only: its logits are the
+    # full head's columns of them, labels outside can never be hit, and both scorers agree.
+    drafter, head, split = small_vocab_setup(vocab=6)
+    full = score_teacher_forced(drafter, head, split, anchors_per_sequence=0, tokens_per_batch=70, tree_budgets=[1, 3])
+    drafter.set_draft_vocab(torch.tensor([3, 0, 2, 0]))  # deduplicated and sorted; tokens 1 and 4 are left out
+    assert drafter.draft_vocab.tolist() == [0, 2, 3]
+    assert drafter.vocab_index(torch.tensor([0, 1, 2, 3, 4])).tolist() == [0, -1, 1, 2, -1]
+    assert drafter.vocab_tokens(torch.tensor([2, 0, 1])).tolist() == [3, 0, 2]
+    cache = DraftCache(drafter)
+    cache.extend(split.samples[0].features[:9].float())
+    restricted = draft_block(drafter, head, cache, 3)
+    drafter_full = DFlashDrafter(drafter.config).eval()
+    drafter_full.load_state_dict({k: v for k, v in drafter.state_dict().items() if k != "draft_vocab"})
+    cache_full = DraftCache(drafter_full)
+    cache_full.extend(split.samples[0].features[:9].float())
+    # The same numbers up to the matmul's rounding (BLAS blocks a 3-row and a 6-row head differently).
+    torch.testing.assert_close(restricted, draft_block(drafter_full, head, cache_full, 3)[:, [0, 2, 3]], rtol=1e-6, atol=1e-5)
+
+    batched = score_teacher_forced(drafter, head, split, anchors_per_sequence=0, tokens_per_batch=70, tree_budgets=[1, 3])
+    plain = score_one_block_at_a_time(drafter, head, split, anchors_per_sequence=0, tree_budgets=[1, 3])
+    for name in ("sequence", "anchor", "correct", "valid"):
+        assert np.array_equal(getattr(batched, name), getattr(plain, name)), name
+    for budget in (1, 3):
+        assert np.array_equal(batched.streaks[budget], plain.streaks[budget])
+    first_labels = np.array([int(split.samples[s].input_ids[a + 1]) for s, a in zip(batched.sequence, batched.anchor)])
+    assert not batched.correct[np.isin(first_labels, [1, 4]), 0].any()  # absent from the draft vocabulary: never hit
+    assert (first_labels == 1).any() and full.correct.shape == batched.correct.shape  # the data exercises an absent label
+
+
+def test_speculative_decoding_with_a_draft_vocabulary_stays_lossless(tiny_target):
+    model, tap, head, drafter, prompt = tiny_target
+    plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
+    restricted = DFlashDrafter(drafter.config).eval()
+    restricted.load_state_dict(drafter.state_dict())
+    vocabulary = sorted(set(plain.tokens[::2]) | {5, 77, 4000})
+    restricted.set_draft_vocab(torch.tensor(vocabulary))
+    proposed = []
+    propose = drafter_proposer(restricted, head)
+
+    def recording(cache, anchor):
+        proposal = propose(cache, anchor)
+        proposed.extend(proposal)
+        return proposal
+
+    spec = speculative_decode(model, tap, restricted, recording, prompt, max_new_tokens=30, eos_ids={2})
+    assert spec.tokens == plain.tokens and proposed and set(proposed) <= set(vocabulary)

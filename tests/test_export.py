@@ -129,6 +129,9 @@ def test_bf16_export_stores_bf16(tmp_path):
     loaded, info = load_dflash_drafter(out)
     assert info["stored_dtype"] == "bfloat16"
     for name, tensor in loaded.state_dict().items():
+        if name == "draft_vocab":  # token ids, not weights (none here)
+            assert tensor.numel() == 0
+            continue
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, drafter.state_dict()[name].to(torch.bfloat16).float()), name
 
@@ -360,3 +363,25 @@ def test_zlab_reference_drafts_the_same_logits(tmp_path, zlab_draft_model_class,
         theirs = torch.cat([reference_hidden(anchor, anchor) for anchor in anchors])
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(head.logits(ours), head.logits(theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_draft_vocabulary_travels_beside_the_public_files(tmp_path):
+    drafter = random_drafter(tiny_config())
+    drafter.set_draft_vocab(torch.tensor([9, 4, 17, 30]))
+    out = export_drafter(drafter, tmp_path / "drafter")
+    assert (out / "draft_vocab.safetensors").is_file()
+    loaded, info = load_dflash_drafter(out)
+    assert loaded.draft_vocab.tolist() == [4, 9, 17, 30] and info["provenance"]["draft_vocab_size"] == 4
+    head = random_head(drafter.config)
+    features = torch.randn(9, drafter.config.feature_width)
+    logits = draft_logits(loaded.eval(), head, features, 5)
+    assert logits.shape[-1] == 4 and torch.equal(logits, draft_logits(drafter, head, features, 5))
+    # Without the file (a server that ignores it) the same weights draft over the whole vocabulary.
+    (out / "draft_vocab.safetensors").unlink()
+    assert load_dflash_drafter(out)[0].draft_vocab.numel() == 0
+    from safetensors.torch import save_file
+
+    save_file({"token_ids": torch.tensor([3, drafter.config.vocab_size])}, out / "draft_vocab.safetensors")
+    with pytest.raises(PipelineError) as excinfo:
+        load_dflash_drafter(out)
+    assert_one_line_error(excinfo, "draft_vocab.safetensors", "token_ids must be")

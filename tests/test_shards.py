@@ -27,11 +27,12 @@ def _sequences(count=3, width=12, seed=0, base_length=5):
     return out
 
 
-def write_split(folder, sequences, *, feature_dtype="bf16", width=12, fingerprint="f" * 64, per_shard=2):
+def write_split(folder, sequences, *, feature_dtype="bf16", width=12, fingerprint="f" * 64, per_shard=2, top_k=0):
     folder.mkdir(parents=True, exist_ok=True)
     shards = []
     for start in range(0, len(sequences), per_shard):
-        writer = ShardWriter(folder / f"shard-{start // per_shard:05d}.arrow", feature_dtype=feature_dtype, feature_width=width)
+        writer = ShardWriter(folder / f"shard-{start // per_shard:05d}.arrow", feature_dtype=feature_dtype, feature_width=width,
+                             top_k=top_k)
         for sequence in sequences[start : start + per_shard]:
             writer.write(**sequence)
         shards.append(writer.close())
@@ -39,7 +40,7 @@ def write_split(folder, sequences, *, feature_dtype="bf16", width=12, fingerprin
         split="train", target_fingerprint=fingerprint, layer_ids=[1, 2], hidden_size=width // 2, num_target_layers=4,
         feature_dtype=feature_dtype, feature_width=width, sequences=len(sequences),
         tokens=sum(len(s["input_ids"]) for s in sequences), loss_tokens=sum(int(s["loss_mask"].sum()) for s in sequences),
-        shards=shards,
+        shards=shards, target_top_k=top_k,
     )
     manifest.save(folder)
     return manifest
@@ -52,9 +53,13 @@ def test_schema_is_pinned():
         ("input_ids", "list<item: int32>"),
         ("loss_mask", "list<item: uint8>"),
         ("target_next", "list<item: int32>"),
+        ("target_topk_ids", "list<item: int32>"),
+        ("target_topk_logprobs", "list<item: float>"),
         ("features", "large_list<item: uint16>"),
     ]
-    assert schema.metadata == {b"dflash.shard_format_version": b"1", b"dflash.feature_dtype": b"bf16", b"dflash.feature_width": b"12"}
+    assert schema.metadata == {b"dflash.shard_format_version": b"2", b"dflash.feature_dtype": b"bf16", b"dflash.feature_width": b"12",
+                               b"dflash.target_top_k": b"0"}
+    assert shard_schema("bf16", 12, 32).metadata[b"dflash.target_top_k"] == b"32"
     assert [f.name for f in shard_schema("fp8_e4m3", 12)][-2:] == ["features", "feature_scales"]
 
 
@@ -157,3 +162,44 @@ def test_writer_rejects_mismatched_lengths(tmp_path):
         writer.write(**sequence)
     writer.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def _with_top_k(sequences, top_k, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    for sequence in sequences:
+        length = len(sequence["input_ids"])
+        sequence["topk_ids"] = torch.randint(0, 49152, (length, top_k), generator=generator).numpy().astype(np.int32)
+        sequence["topk_logprobs"] = -torch.rand(length, top_k, generator=generator).numpy() * 20
+    return sequences
+
+
+@pytest.mark.parametrize("feature_dtype", ["bf16", "fp8_e4m3"])
+def test_target_top_k_round_trip_is_exact(tmp_path, feature_dtype):
+    sequences = _with_top_k(_sequences(count=5), top_k=4)
+    write_split(tmp_path, sequences, feature_dtype=feature_dtype, top_k=4)
+    dataset = open_split(tmp_path)
+    assert dataset.manifest.target_top_k == 4
+    for index, expected in enumerate(sequences):
+        sample = dataset[index]
+        assert sample.target_topk_ids.shape == (len(expected["input_ids"]), 4)
+        assert np.array_equal(sample.target_topk_ids.numpy(), expected["topk_ids"])
+        assert np.array_equal(sample.target_topk_logprobs.numpy(), expected["topk_logprobs"].astype(np.float32))
+        assert np.array_equal(sample.target_next.numpy(), expected["target_next"])
+    # Without top-k every sample still has [S, 0] tensors, and the writer refuses a wrong K.
+    write_split(tmp_path / "none", _sequences(count=2))
+    assert open_split(tmp_path / "none")[1].target_topk_ids.shape == (8, 0)
+    writer = ShardWriter(tmp_path / "bad.arrow", feature_dtype="bf16", feature_width=12, top_k=3)
+    with pytest.raises(ValueError, match="top-k"):
+        writer.write(**_with_top_k(_sequences(count=1), top_k=4)[0])
+    writer.abort()
+
+
+def test_shards_of_format_version_1_are_refused_in_one_line(tmp_path):
+    write_split(tmp_path, _sequences())
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["format_version"] = 1
+    del manifest["target_top_k"]
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PipelineError, match=r"manifest.json: shard format_version 1, this code reads only 2; recapture") as error:
+        open_split(tmp_path)
+    assert "\n" not in str(error.value)

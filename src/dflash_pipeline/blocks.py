@@ -71,6 +71,10 @@ class Batch:
     weights: torch.Tensor  # [blocks, B-1] decayed loss weight (0 where the slot does not exist)
     block_sequence: torch.Tensor  # [blocks] index of the block's sequence within the batch
     context_tokens: int
+    # The target's top-K next-token ids and log-probs for each drafted slot (its distribution
+    # given the true prefix), [blocks, B-1, K]; None when the shards hold none.
+    soft_ids: torch.Tensor | None = None
+    soft_logprobs: torch.Tensor | None = None
 
     @property
     def anchors(self) -> torch.Tensor:
@@ -97,7 +101,8 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
     """
     features, context_positions, context_sequence = [], [], []
     block_ids, block_positions, block_sequence, block_anchor, block_index = [], [], [], [], []
-    labels, exists, sequence_of_block = [], [], []
+    labels, exists, sequence_of_block, soft_ids, soft_logprobs = [], [], [], [], []
+    with_soft = all(getattr(s, "target_topk_ids", None) is not None and s.target_topk_ids.shape[-1] > 0 for s in samples)
     offsets = torch.arange(block_size)
     blocks = 0
     for number, sample in enumerate(samples):
@@ -119,6 +124,9 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
             target_slots = slots[1:].clamp(max=length - 1)
             labels.append(ids[target_slots])
             exists.append(mask[target_slots] & (slots[1:] < length))
+            if with_soft:  # slot k's token follows position a + k - 1: the target's distribution there
+                soft_ids.append(sample.target_topk_ids[target_slots - 1].long())
+                soft_logprobs.append(sample.target_topk_logprobs[target_slots - 1].float())
             sequence_of_block.append(number)
             blocks += 1
     if blocks == 0:
@@ -138,4 +146,6 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
         weights=decay_weights(block_size, gamma) * exists_t.float(),
         block_sequence=torch.tensor(sequence_of_block),
         context_tokens=int(context_positions_t.numel()),
+        soft_ids=torch.stack(soft_ids) if with_soft else None,
+        soft_logprobs=torch.stack(soft_logprobs) if with_soft else None,
     )

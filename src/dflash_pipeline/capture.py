@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
@@ -126,8 +127,34 @@ def plan_shards(sequences: list[Sequence], *, token_bytes: int, shard_bytes: int
     return shards
 
 
-def forward_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, logits_chunk: int = 2048):
-    """Run one right-padded batch; return per-sequence (features [S, W], target_next [S]).
+class Captured(NamedTuple):
+    """One sequence's capture: features [S, W], the target's greedy next token [S], and its
+    `top_k` most probable next tokens [S, K] with their log-probabilities [S, K]."""
+
+    features: "object"
+    target_next: "object"
+    topk_ids: "object"
+    topk_logprobs: "object"
+
+
+def _head_outputs(model, flat, *, top_k: int, logits_chunk: int):
+    """Greedy next token, top-k ids and log-probs of every row of flat [T, H], chunk by chunk."""
+    import torch
+
+    argmax, ids, logprobs = [], [], []
+    for start in range(0, flat.shape[0], logits_chunk):
+        logits = model.lm_head(flat[start : start + logits_chunk]).float()
+        argmax.append(logits.argmax(-1))
+        if top_k:
+            values, indices = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1, sorted=True)
+            ids.append(indices)
+            logprobs.append(values)
+    empty = flat.new_zeros((flat.shape[0], 0))
+    return (torch.cat(argmax), torch.cat(ids) if ids else empty.long(), torch.cat(logprobs) if logprobs else empty.float())
+
+
+def forward_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, top_k: int = 0, logits_chunk: int = 2048) -> list[Captured]:
+    """Run one right-padded batch; return each sequence's `Captured` outputs.
 
     Right padding needs no attention mask: with causal attention a real token never sees the
     padding after it. The LM head runs in chunks of positions, so [tokens, vocab] logits for the
@@ -143,14 +170,15 @@ def forward_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, l
     with torch.inference_mode():
         hidden = model.get_decoder()(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1])
-        next_tokens = torch.cat(
-            [model.lm_head(flat[i : i + logits_chunk]).argmax(-1) for i in range(0, flat.shape[0], logits_chunk)]
-        ).view(len(batch), width)
+        next_tokens, topk_ids, topk_logprobs = _head_outputs(model, flat, top_k=top_k, logits_chunk=logits_chunk)
+        next_tokens = next_tokens.view(len(batch), width)
+        topk_ids, topk_logprobs = topk_ids.view(len(batch), width, top_k), topk_logprobs.view(len(batch), width, top_k)
         features = tap.features()
     results = []
     for row, sequence in enumerate(batch):
         length = len(sequence.input_ids)
-        results.append((features[row, :length].to("cpu"), next_tokens[row, :length].to("cpu", torch.int32)))
+        results.append(Captured(features[row, :length].to("cpu"), next_tokens[row, :length].to("cpu", torch.int32),
+                                topk_ids[row, :length].to("cpu", torch.int32), topk_logprobs[row, :length].to("cpu", torch.float32)))
     return results
 
 
@@ -160,6 +188,7 @@ def capture_settings(config: CaptureConfig, target: TargetInfo, layer_ids: list[
         "target_fingerprint": target.fingerprint,
         "layer_ids": layer_ids,
         "feature_dtype": config.feature_dtype,
+        "target_top_k": config.target_top_k,
         "max_length": config.max_length,
         "on_too_long": config.on_too_long,
         "batch_tokens": config.batch_tokens,
@@ -245,17 +274,18 @@ class SplitPlan:
     shard_tokens: list[int]
     feature_width: int
     token_bytes: int
+    top_k: int
     record: dict  # everything the shards' bytes depend on (capture.json)
 
     @classmethod
     def make(cls, sequences: list[Sequence], *, config: CaptureConfig, target: TargetInfo, layer_ids: list[int],
              compute_dtype: str) -> "SplitPlan":
         width = len(layer_ids) * target.hidden_size
-        token_bytes = bytes_per_token(width, config.feature_dtype)
+        token_bytes = bytes_per_token(width, config.feature_dtype, config.target_top_k)
         shards = plan_shards(sequences, token_bytes=token_bytes, shard_bytes=config.shard_mb << 20, batch_tokens=config.batch_tokens)
         return cls(shards=shards, shard_sequences=[sum(len(batch) for batch in shard) for shard in shards],
                    shard_tokens=[sum(len(sequences[i].input_ids) for batch in shard for i in batch) for shard in shards],
-                   feature_width=width, token_bytes=token_bytes,
+                   feature_width=width, token_bytes=token_bytes, top_k=config.target_top_k,
                    record={"settings": capture_settings(config, target, layer_ids, compute_dtype), "plan_sha256": _plan_digest(sequences)})
 
 
@@ -294,12 +324,14 @@ def _write_shards(numbers: list[int], plan: SplitPlan, sequences: list[Sequence]
                    disable=not show_progress or not numbers)
     try:
         for number in numbers:
-            writer = ShardWriter(out_dir / _shard_name(number), feature_dtype=feature_dtype, feature_width=plan.feature_width)
+            writer = ShardWriter(out_dir / _shard_name(number), feature_dtype=feature_dtype, feature_width=plan.feature_width,
+                                 top_k=plan.top_k)
             try:
                 for batch_indices in plan.shards[number]:
                     batch = [sequences[i] for i in batch_indices]
-                    for sequence, (features, target_next) in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id)):
-                        writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, target_next.numpy(), features)
+                    for sequence, out in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id, top_k=plan.top_k)):
+                        writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, out.target_next.numpy(), out.features,
+                                     out.topk_ids.numpy(), out.topk_logprobs.numpy())
                     bar.update(sum(len(s.input_ids) for s in batch))
             except BaseException:
                 writer.abort()
@@ -328,6 +360,7 @@ def _write_manifest(plan: SplitPlan, sequences: list[Sequence], stats: Counter, 
         loss_tokens=sum(sum(s.loss_mask) for s in sequences),
         shards=shards,
         stats=dict(stats),
+        target_top_k=plan.top_k,
     )
     manifest.save(out_dir)
     # The manifest now records every shard's sha256; the per-shard records would only duplicate it.

@@ -262,6 +262,8 @@ def weights_line(files: list[Path]) -> str:
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
                     part = handle.get_slice(name)
+                    if part.get_dtype()[0] in "IUB":  # token ids (a draft vocabulary), not weights
+                        continue
                     dtypes.add(part.get_dtype())
                     count = 1
                     for dim in part.get_shape():

@@ -74,6 +74,9 @@ class CaptureConfig:
     max_length: int = 2048
     # "truncate" or "skip".
     on_too_long: str = "truncate"
+    # The target's K most probable next tokens and their log-probs per position, stored for
+    # distillation (train.distill_weight); 0 stores none. 8 bytes per token per K.
+    target_top_k: int = 32
     # Padded tokens per forward batch (sequences of similar length are batched together).
     batch_tokens: int = 8192
     # Target size of one shard file, in MiB.
@@ -82,6 +85,7 @@ class CaptureConfig:
     def validate(self, source: str) -> None:
         checks = [
             ("num_layers", self.num_layers >= 1, "must be >= 1"),
+            ("target_top_k", 0 <= self.target_top_k <= 4096, "must be in 0..4096"),
             ("layer_ids", self.layer_ids is None or (len(self.layer_ids) > 0 and all(i >= 0 for i in self.layer_ids)),
              "must be null or a non-empty list of layer ids >= 0"),
             ("feature_dtype", self.feature_dtype in ("bf16", "fp8_e4m3"), "must be 'bf16' or 'fp8_e4m3'"),
@@ -121,9 +125,17 @@ class TrainConfig:
     logits_chunk: int = 1024
     # "auto" (flex_attention on GPU, SDPA with a dense mask on CPU), "sdpa" or "flex".
     attention: str = "auto"
-    # Softmax of the training loss over "full" vocabulary or only the tokens of the "data"
-    # (train answers): a cheaper head; drafting and evaluation always use the full head.
-    train_vocab: str = "full"
+    # Softmax of the training loss over the "full" vocabulary or only the tokens of the "data"
+    # (train answers): a cheaper head in training, and the drafter then drafts over those tokens
+    # only (its draft vocabulary: a cheaper head at decoding, scored the same way).
+    train_vocab: str = "data"
+    # Per-channel scale on the target features before fc: "none", or "channel_rms" (one over each
+    # channel's RMS on the train shards; evens out the massive activations; folded into fc.weight
+    # on export).
+    feature_norm: str = "channel_rms"
+    # Distillation: weight α of the target's captured top-K distribution in each slot's target,
+    # (1 - α)·one-hot + α·p_target (0 = plain CE on the answer tokens).
+    distill_weight: float = 0.5
     # Held-out teacher-forced tau every eval_every steps, on eval_blocks fixed val blocks.
     eval_every: int = 200
     eval_blocks: int = 512
@@ -148,6 +160,8 @@ class TrainConfig:
             ("logits_chunk", self.logits_chunk >= 1, "must be >= 1"),
             ("attention", self.attention in ("auto", "sdpa", "flex"), "must be 'auto', 'sdpa' or 'flex'"),
             ("train_vocab", self.train_vocab in ("full", "data"), "must be 'full' or 'data'"),
+            ("feature_norm", self.feature_norm in ("none", "channel_rms"), "must be 'none' or 'channel_rms'"),
+            ("distill_weight", 0.0 <= self.distill_weight <= 1.0, "must be in [0, 1]"),
             ("eval_every", self.eval_every >= 1, "must be >= 1"),
             ("eval_blocks", self.eval_blocks >= 1, "must be >= 1"),
             ("save_every", self.save_every >= 1, "must be >= 1"),

@@ -83,7 +83,7 @@ def drafter_proposer(drafter: DFlashDrafter, head: TargetHead):
     """The proposal function of a drafter: B-1 greedy tokens after the anchor."""
 
     def propose(cache: DraftCache, anchor: int) -> list[int]:
-        return draft_block(drafter, head, cache, anchor).argmax(-1).tolist()
+        return drafter.vocab_tokens(draft_block(drafter, head, cache, anchor).argmax(-1)).tolist()
 
     return propose
 

@@ -1,5 +1,11 @@
 """The drafter's training objective: decayed cross-entropy on the drafted slots, through the
-target's frozen LM head, chunk by chunk.
+target's frozen LM head, chunk by chunk, optionally against the target's own distribution.
+
+With `distill_weight` α > 0 each slot's target is the mixture (1 - α)·one-hot(answer token) +
+α·p_target, p_target being the target's top-K next-token probabilities renormalised over the K
+(captured by `capture.target_top_k`). Cross-entropy to that mixture is (1 - α)·CE + α·KL(p_target
+|| q) plus a constant, and its gradient is softmax(z) - mixture: the same two matmuls per position
+as plain CE, so distillation costs nothing in the head.
 
 The head (vocabulary x hidden) dominates a small drafter's step, so the loss never materialises
 more than `logits_chunk` x vocabulary logits, computes the hidden gradient in the same pass, and
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.blocks import Batch
+from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.model import DFlashDrafter
 from dflash_pipeline.target import TargetHead
 
@@ -18,10 +25,13 @@ from dflash_pipeline.target import TargetHead
 class ChunkedHeadCrossEntropy(torch.autograd.Function):
     """Weighted CE through a frozen LM head, chunk by chunk, with the hidden gradient computed in
     the forward pass: two vocab-sized matmuls per position (the minimum) and never more than
-    `chunk` x vocab logits alive. Returns sum(w * CE) and the count of argmax hits."""
+    `chunk` x vocab logits alive. Returns sum(w * CE) and whether each argmax hits its label.
+
+    `soft_ids` / `soft_probs` [N, M] (optional) give each row a sparse target distribution
+    instead of the one-hot label (`labels` still decide the hits)."""
 
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, chunk):
+    def forward(ctx, hidden, head_weight, labels, weights, chunk, soft_ids=None, soft_probs=None):
         total = hidden.new_zeros((), dtype=torch.float32)
         hits = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
         grad = torch.zeros_like(hidden) if hidden.requires_grad else None
@@ -30,11 +40,18 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
             logits = (h @ head_weight.T).float()
             y, w = labels[start : start + chunk], weights[start : start + chunk]
             log_probs = torch.log_softmax(logits, dim=-1)
-            total = total + (-(log_probs.gather(1, y[:, None])[:, 0]) * w).sum()
+            if soft_ids is None:
+                total = total + (-(log_probs.gather(1, y[:, None])[:, 0]) * w).sum()
+            else:
+                ids, probs = soft_ids[start : start + chunk], soft_probs[start : start + chunk]
+                total = total + (-(log_probs.gather(1, ids) * probs).sum(1) * w).sum()
             hits[start : start + chunk] = logits.argmax(-1) == y
             if grad is not None:
                 d_logits = log_probs.exp_()
-                d_logits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                if soft_ids is None:
+                    d_logits[torch.arange(y.shape[0], device=y.device), y] -= 1.0
+                else:
+                    d_logits.scatter_add_(1, ids, -probs.to(d_logits.dtype))
                 d_logits *= w[:, None]
                 grad[start : start + chunk] = (d_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
         ctx.save_for_backward(grad if grad is not None else hidden.new_zeros(0))
@@ -44,7 +61,7 @@ class ChunkedHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_hits):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None
 
 
 @dataclass
@@ -52,12 +69,14 @@ class TrainingVocabulary:
     """The LM-head rows the loss normalises over: all of them, or only tokens the data uses.
 
     Restricting the softmax to the tokens that occur in the training answers cuts the cost of
-    the frozen head (most of a small drafter's step) by the vocabulary ratio. The drafter still
-    drafts with the full head; evaluation always scores the full head.
+    the frozen head (most of a small drafter's step) by the vocabulary ratio. Such a drafter then
+    drafts over the same tokens (its `draft_vocab`), and evaluation scores it there: trained to
+    rank only those tokens, it would let the untrained rest win a full-vocabulary argmax.
     """
 
     head_rows: torch.Tensor  # [V', H] rows of the LM head
     index_of: torch.Tensor | None  # [V] full id -> row in head_rows (-1: absent); None = full
+    token_ids: torch.Tensor | None = None  # [V'] the rows' token ids, ascending; None = full
 
     @classmethod
     def full(cls, head: TargetHead) -> "TrainingVocabulary":
@@ -68,18 +87,35 @@ class TrainingVocabulary:
         token_ids = torch.unique(token_ids).to(head.lm_head_weight.device)
         index_of = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=token_ids.device)
         index_of[token_ids] = torch.arange(token_ids.numel(), device=token_ids.device)
-        return cls(head.lm_head_weight[token_ids].contiguous(), index_of)
+        return cls(head.lm_head_weight[token_ids].contiguous(), index_of, token_ids)
 
     def map(self, labels: torch.Tensor) -> torch.Tensor:
         return labels if self.index_of is None else self.index_of[labels]
 
 
+def distillation_targets(labels: torch.Tensor, soft_ids: torch.Tensor, soft_logprobs: torch.Tensor, distill_weight: float,
+                         vocabulary: "TrainingVocabulary") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row [N] the sparse mixture (1 - α)·one-hot(label) + α·p_target as ids / probs [N, 1 + K].
+
+    p_target is the target's top-K renormalised over the K; ids outside a restricted training
+    vocabulary get probability 0 (the rest is not renormalised: the mass stays the target's).
+    """
+    probs = torch.softmax(soft_logprobs.float(), dim=-1) * distill_weight
+    ids = vocabulary.map(soft_ids)
+    probs = torch.where(ids >= 0, probs, torch.zeros_like(probs))
+    ids = ids.clamp(min=0)
+    one_hot = torch.full((labels.shape[0], 1), 1.0 - distill_weight, dtype=probs.dtype, device=probs.device)
+    return torch.cat([labels[:, None], ids], dim=1), torch.cat([one_hot, probs], dim=1)
+
+
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits_chunk: int, weight_total: torch.Tensor | None = None,
-               attention: str = "sdpa", vocabulary: TrainingVocabulary | None = None):
+               attention: str = "sdpa", vocabulary: TrainingVocabulary | None = None, distill_weight: float = 0.0):
     """Decayed CE over the drafted slots of a batch: (loss, hits [blocks, B-1], weight sum).
 
     `weight_total` (the sum over all ranks) normalises the loss so data-parallel ranks add up to
     the same objective as one process with the whole batch. `vocabulary` restricts the softmax.
+    `distill_weight` α > 0 mixes the target's captured top-K distribution into each slot's target
+    (the batch must carry it).
     """
     vocabulary = vocabulary or TrainingVocabulary.full(head)
     block_size = drafter.config.block_size
@@ -90,7 +126,15 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits
     labels, weights = batch.labels.reshape(-1), batch.weights.reshape(-1).to(hidden.device)
     labels = vocabulary.map(labels.to(hidden.device))
     keep = (weights > 0) & (labels >= 0)  # slots past the end, outside the answer or vocabulary cost nothing
-    total, hits = ChunkedHeadCrossEntropy.apply(hidden[keep], vocabulary.head_rows, labels[keep], weights[keep], logits_chunk)
+    soft_ids = soft_probs = None
+    if distill_weight > 0:
+        if batch.soft_ids is None:
+            raise PipelineError("train.distill_weight > 0 needs the target's top-k in the shards (capture.target_top_k > 0)")
+        soft_ids, soft_probs = distillation_targets(
+            labels[keep], batch.soft_ids.reshape(-1, batch.soft_ids.shape[-1]).to(hidden.device)[keep],
+            batch.soft_logprobs.reshape(-1, batch.soft_logprobs.shape[-1]).to(hidden.device)[keep], distill_weight, vocabulary)
+    total, hits = ChunkedHeadCrossEntropy.apply(hidden[keep], vocabulary.head_rows, labels[keep], weights[keep], logits_chunk,
+                                                soft_ids, soft_probs)
     weight_sum = weights.sum()
     denominator = weight_total if weight_total is not None else weight_sum
     all_hits = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)

@@ -189,10 +189,66 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.feature_width, config.hidden_size, bias=False)
+        # A fixed per-channel scale on the features before `fc` (`train.feature_norm`): ones, or
+        # one over each channel's RMS on the train shards. Being linear it folds into fc.weight
+        # on export (`folded_fc_weight`), so the public format never sees it.
+        self.register_buffer("feature_scale", torch.ones(config.feature_width))
+        # The token ids (ascending) the drafter drafts over, or empty for the whole vocabulary
+        # (`train.train_vocab: data`). A small draft vocabulary makes the head, most of a small
+        # drafter's cost, that much cheaper; verification by the target keeps decoding lossless.
+        self.register_buffer("draft_vocab", torch.zeros(0, dtype=torch.long))
+        self._draft_rows: tuple | None = None  # (key, head rows) cache for `draft_head_weight`
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.apply(self._init_weights)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # Public folders (and checkpoints written before the scale existed) carry fc.weight already
+        # folded: their scale is one.
+        if "feature_scale" not in state_dict:
+            state_dict = {**state_dict, "feature_scale": torch.ones_like(self.feature_scale)}
+        # The draft vocabulary's length is the stored one's (none stored: the whole vocabulary).
+        draft_vocab = state_dict.get("draft_vocab", torch.zeros(0, dtype=torch.long))
+        self.draft_vocab = torch.zeros_like(draft_vocab, device=self.draft_vocab.device)
+        self._draft_rows = None
+        return super().load_state_dict({**state_dict, "draft_vocab": draft_vocab}, strict=strict, assign=assign)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Draft over these token ids only (None or empty: the whole vocabulary)."""
+        ids = torch.zeros(0, dtype=torch.long) if token_ids is None else torch.unique(token_ids.long().cpu())
+        self.draft_vocab = ids.to(self.draft_vocab.device)
+        self._draft_rows = None
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return self.draft_vocab.numel() > 0
+
+    def draft_head_weight(self, head) -> torch.Tensor:
+        """The LM-head rows the drafter's logits use: all, or its draft vocabulary's (cached)."""
+        weight = head.lm_head_weight
+        if not self.has_draft_vocab:
+            return weight
+        key = (weight.data_ptr(), weight.device, weight.dtype, self.draft_vocab.data_ptr(), self.draft_vocab.numel())
+        if self._draft_rows is None or self._draft_rows[0] != key:
+            self._draft_rows = (key, weight[self.draft_vocab.to(weight.device)].contiguous())
+        return self._draft_rows[1]
+
+    def vocab_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> columns of the drafter's logits (-1 where the draft vocabulary lacks it)."""
+        if not self.has_draft_vocab:
+            return token_ids
+        vocab = self.draft_vocab.to(token_ids.device)
+        column = torch.searchsorted(vocab, token_ids.long()).clamp(max=vocab.numel() - 1)
+        return torch.where(vocab[column] == token_ids, column, torch.full_like(column, -1))
+
+    def vocab_tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns of the drafter's logits -> token ids."""
+        return columns if not self.has_draft_vocab else self.draft_vocab.to(columns.device)[columns]
+
+    def folded_fc_weight(self) -> torch.Tensor:
+        """fc.weight with the feature scale multiplied in: what a drafter without the scale uses."""
+        return self.fc.weight * self.feature_scale.to(self.fc.weight.dtype)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -207,7 +263,8 @@ class DFlashDrafter(nn.Module):
         """
         if isinstance(features, (list, tuple)):
             return torch.cat([self.project_context(piece) for piece in features])
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        weight = self.folded_fc_weight()
+        return self.hidden_norm(F.linear(features.to(weight.dtype), weight))
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
@@ -301,6 +358,9 @@ class DraftCache:
 def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
     """Logits [B-1, V] for the tokens after `anchor_token`, which sits at position cache.length.
 
+    V is the drafter's draft vocabulary (`drafter.vocab_tokens` maps columns to token ids), the
+    whole vocabulary unless it has one.
+
     `head` is the target's frozen embedding and LM head (`target.TargetHead`).
     The context is every position < cache.length (the anchor's own features are not known yet).
     """
@@ -322,7 +382,9 @@ def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: i
         else:
             kv = (cache.keys[index], cache.values[index])
         x = layer(x, None, rope_block, None, mask, cached_kv=kv)
-    return head.logits(drafter.norm(x)[1:])
+    hidden = drafter.norm(x)[1:]
+    weight = drafter.draft_head_weight(head)
+    return hidden.to(weight.dtype).contiguous() @ weight.T
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -222,15 +222,16 @@ def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tenso
     return correct.numpy(), streaks
 
 
-def logits_into(head: TargetHead, hidden: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """The head's logits [..., V] of hidden [..., H], written into `buffer` (>= rows x V elements).
+def logits_into(head_weight: torch.Tensor, hidden: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The logits [..., V] of hidden [..., H] through head rows [V, H], written into `buffer`
+    (>= rows x V elements).
 
     On CPU a fresh vocabulary-sized result is first touched page by page: its matmul ran at
     150-180 GFLOP/s here against ~400 in a reused buffer. Valid until the buffer is reused.
     """
-    flat = hidden.reshape(-1, hidden.shape[-1]).to(head.lm_head_weight.dtype).contiguous()
-    result = buffer.view(-1)[: flat.shape[0] * head.lm_head_weight.shape[0]].view(flat.shape[0], -1)
-    torch.mm(flat, head.lm_head_weight.T, out=result)
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(head_weight.dtype).contiguous()
+    result = buffer.view(-1)[: flat.shape[0] * head_weight.shape[0]].view(flat.shape[0], -1)
+    torch.mm(flat, head_weight.T, out=result)
     return result.view(*hidden.shape[:-1], -1)
 
 
@@ -275,7 +276,8 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
     # The head runs on chunks of `chunk` blocks gathered across forwards (a forward holds few
     # blocks, to keep its dense mask small), in one reused buffer (see `logits_into`).
     chunk = max(1, logits_chunk // (block_size - 1))
-    logits_buffer = torch.empty(chunk * (block_size - 1) * head.lm_head_weight.shape[0], device=device, dtype=head.lm_head_weight.dtype)
+    head_weight = drafter.draft_head_weight(head)  # labels are compared in the drafter's vocabulary columns
+    logits_buffer = torch.empty(chunk * (block_size - 1) * head_weight.shape[0], device=device, dtype=head_weight.dtype)
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # drafted, not yet through the head
 
     def score_pending(everything: bool) -> None:
@@ -284,7 +286,7 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         ready = hidden.shape[0] if everything else hidden.shape[0] // chunk * chunk
         for start in range(0, ready, chunk):
             stop = min(start + chunk, ready)
-            logits = logits_into(head, hidden[start:stop], logits_buffer)
+            logits = logits_into(head_weight, hidden[start:stop], logits_buffer)
             correct, streaks = _score_logits(logits, labels[start:stop], valid[start:stop], tree_budgets)
             parts["correct"].append(correct)
             for budget in tree_budgets:
@@ -302,7 +304,7 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
         hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
                                         attention=attention)
-        pending.append((hidden.view(-1, block_size, hidden.shape[-1])[:, 1:], batch.labels, batch.exists))
+        pending.append((hidden.view(-1, block_size, hidden.shape[-1])[:, 1:], drafter.vocab_index(batch.labels), batch.exists))
         if sum(piece[0].shape[0] for piece in pending) >= chunk:
             score_pending(everything=False)
         parts["valid"].append(batch.exists.numpy())
@@ -342,7 +344,7 @@ def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset,
             logits = draft_block(drafter, head, cache, int(ids[anchor]))
             slots = torch.arange(anchor + 1, anchor + block_size)
             inside = slots < length
-            labels = ids[slots.clamp(max=length - 1)]
+            labels = drafter.vocab_index(ids[slots.clamp(max=length - 1)])
             valid = inside & mask[slots.clamp(max=length - 1)]
             correct, streaks = _score_logits(logits[None], labels[None], valid[None], tree_budgets)
             parts["correct"].append(correct)

@@ -9,6 +9,9 @@ SGLang (`--speculative-algorithm DFLASH`) and vLLM (`method: dflash`) read it:
                            (no embedding, no LM head: those are the target's); large published
                            drafters may shard it (model.safetensors.index.json)
     dflash_pipeline.json   ours, optional: our DrafterConfig, the source checkpoint and target
+    draft_vocab.safetensors ours, optional: `token_ids`, the draft vocabulary of a drafter trained
+                           with `train.train_vocab: data`; a server that ignores it drafts over
+                           the whole vocabulary (still lossless, a dearer head, lower τ)
 
 Input of `export_drafter`: a drafter (`checkpoints.export_checkpoint` exports a training checkpoint).
 Output: the folder above, renamed into place when complete. `load_dflash_drafter` reads any such
@@ -35,6 +38,7 @@ MODEL_TYPE = "qwen3"  # what z-lab's released drafters declare: the layers are Q
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PROVENANCE_FILE = "dflash_pipeline.json"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 PROVENANCE_VERSION = 1
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -52,6 +56,8 @@ def _public_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     """The drafter's state_dict under the public names. Ours are the same names by design; this
     check keeps a rename in model.py from silently producing folders no server can load."""
     state = drafter.state_dict()
+    state["fc.weight"] = drafter.folded_fc_weight().detach()  # the feature scale folded in
+    del state["feature_scale"], state["draft_vocab"]  # the one is folded in, the other has its own file
     public = public_weight_names(drafter.config.num_layers)
     if set(state) != set(public):
         raise PipelineError(f"DFlashDrafter weights {sorted(set(state) ^ set(public))[:3]} differ from the serving format's names")
@@ -139,6 +145,11 @@ def export_drafter(drafter: DFlashDrafter, out_dir: Path, *, dtype: torch.dtype 
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+    if drafter.has_draft_vocab:
+        # Beside the public files, which servers read unchanged (and then draft over the whole
+        # vocabulary); our loader and FR-Spec-style servers draft over these token ids only.
+        save_file({"token_ids": drafter.draft_vocab.detach().to("cpu").contiguous()}, tmp / DRAFT_VOCAB_FILE)
+        provenance["draft_vocab_size"] = int(drafter.draft_vocab.numel())
     write_json_atomic(tmp / PROVENANCE_FILE, provenance)
     # Never a half-written folder under the final name: the old one is moved aside, not overwritten.
     old = out_dir.with_name(out_dir.name + ".old")
@@ -309,6 +320,18 @@ def _provenance(directory: Path, config: DrafterConfig) -> tuple[dict | None, Dr
     return provenance, replace(config, extra=extra)
 
 
+def _read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    try:
+        token_ids = load_file(path)["token_ids"]
+    except Exception as exc:  # a damaged file: one line naming it
+        raise PipelineError(f"{path}: unreadable draft vocabulary ({exc})") from None
+    if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.min() < 0 or token_ids.max() >= vocab_size:
+        raise PipelineError(f"{path}: token_ids must be a non-empty list of ids in 0..{vocab_size - 1}")
+    return token_ids
+
+
 def load_dflash_drafter(directory: Path, *, device: str = "cpu") -> tuple[DFlashDrafter, dict]:
     """A DFlashDrafter (fp32) from a serving-format folder, ours or published.
 
@@ -324,6 +347,8 @@ def load_dflash_drafter(directory: Path, *, device: str = "cpu") -> tuple[DFlash
     expected = {name: tuple(tensor.shape) for name, tensor in _public_state(drafter).items()}
     tensors, stored = read_serving_weights(directory, expected)
     drafter.load_state_dict(tensors)
+    if (directory / DRAFT_VOCAB_FILE).is_file():
+        drafter.set_draft_vocab(_read_draft_vocab(directory / DRAFT_VOCAB_FILE, drafter_config.vocab_size))
     stored_dtypes = sorted(set(stored.values()))
     info = {"config": raw, "provenance": provenance,
             "stored_dtype": stored_dtypes[0] if len(stored_dtypes) == 1 else stored_dtypes}

@@ -9,6 +9,8 @@ of the mapped bytes, whatever the dataset's size. Columns per sequence of S toke
     input_ids       list<int32>     [S] prompt + answer token ids
     loss_mask       list<uint8>     [S] 1 on answer tokens
     target_next     list<int32>     [S] the target's greedy next token after each position
+    target_topk_ids list<int32>     [S*K] the target's K most probable next tokens per position
+    target_topk_logprobs list<float32> [S*K] their log-probabilities (full-vocabulary softmax)
     features        large_list<u16> [S*W] bf16 bit patterns, W = len(layer_ids) * hidden_size
                     large_list<u8>  [S*W] or fp8-e4m3 bit patterns ...
     feature_scales  list<float32>   [S]   ... with one scale per token (fp8 only)
@@ -17,6 +19,9 @@ bf16 is stored bit-exact as its 16-bit pattern; fp8-e4m3 halves the size with a 
 absmax scale. A shard is written under a temporary name and renamed when complete, so a
 visible shard is always whole. The manifest records the target fingerprint, layer ids, sizes,
 counts and each shard's sha256; `open_split` checks all of it before training or evaluation.
+K is `capture.target_top_k` (recorded in the schema and the manifest; 0 stores empty lists): the
+target's distribution, not only its argmax, for distillation. Format version 2 added it; shards
+of version 1 are refused with one line, never misread.
 
 Until the manifest exists (a capture still running, or killed), each finished shard has its
 sha256 beside it in `shard-NNNNN.arrow.sha256` (`sha256sum -c` format), written before the
@@ -36,7 +41,7 @@ import pyarrow as pa
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, sha256_file, write_json_atomic, write_text_atomic
 
-SHARD_FORMAT_VERSION = 1
+SHARD_FORMAT_VERSION = 2
 FEATURE_DTYPES = ("bf16", "fp8_e4m3")
 FP8_E4M3_MAX = 448.0
 SHARD_GLOB = "shard-*.arrow"
@@ -57,13 +62,17 @@ def recorded_sha256(shard: Path) -> str | None:
     return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
 
 
-def bytes_per_token(feature_width: int, feature_dtype: str) -> int:
-    """Payload bytes of one token: features, plus input id, target next token and loss mask."""
+def bytes_per_token(feature_width: int, feature_dtype: str, top_k: int = 0) -> int:
+    """Payload bytes of one token: features, input id, target next token, loss mask, top-K."""
     feature_bytes = feature_width * 2 if feature_dtype == "bf16" else feature_width + 4  # fp8 + scale
-    return feature_bytes + 4 + 4 + 1
+    return feature_bytes + 4 + 4 + 1 + 8 * top_k
 
 
-def shard_schema(feature_dtype: str, feature_width: int) -> pa.Schema:
+# Column positions inside a record batch (0 is the sequence id, a string).
+INPUT_IDS, LOSS_MASK, TARGET_NEXT, TOPK_IDS, TOPK_LOGPROBS, FEATURES, FEATURE_SCALES = range(1, 8)
+
+
+def shard_schema(feature_dtype: str, feature_width: int, top_k: int = 0) -> pa.Schema:
     if feature_dtype not in FEATURE_DTYPES:
         raise PipelineError(f"feature dtype {feature_dtype!r} is not one of {FEATURE_DTYPES}")
     fields = [
@@ -71,6 +80,8 @@ def shard_schema(feature_dtype: str, feature_width: int) -> pa.Schema:
         ("input_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.uint8())),
         ("target_next", pa.list_(pa.int32())),
+        ("target_topk_ids", pa.list_(pa.int32())),
+        ("target_topk_logprobs", pa.list_(pa.float32())),
         ("features", pa.large_list(pa.uint16() if feature_dtype == "bf16" else pa.uint8())),
     ]
     if feature_dtype == "fp8_e4m3":
@@ -79,6 +90,7 @@ def shard_schema(feature_dtype: str, feature_width: int) -> pa.Schema:
         "dflash.shard_format_version": str(SHARD_FORMAT_VERSION),
         "dflash.feature_dtype": feature_dtype,
         "dflash.feature_width": str(feature_width),
+        "dflash.target_top_k": str(top_k),
     }
     return pa.schema(fields, metadata=metadata)
 
@@ -115,6 +127,8 @@ class Sample:
     loss_mask: "object"  # uint8 tensor [S]
     target_next: "object"  # int32 tensor [S]
     features: "object"  # bf16 tensor [S, W]
+    target_topk_ids: "object" = None  # int32 tensor [S, K]
+    target_topk_logprobs: "object" = None  # float32 tensor [S, K]
 
 
 @dataclass
@@ -129,23 +143,30 @@ class ShardInfo:
 class ShardWriter:
     """Write sequences into one shard; the file appears under its final name only on `close()`."""
 
-    def __init__(self, path: Path, *, feature_dtype: str, feature_width: int):
+    def __init__(self, path: Path, *, feature_dtype: str, feature_width: int, top_k: int = 0):
         self.path = Path(path)
         self.tmp_path = self.path.with_name(self.path.name + ".tmp")
         self.feature_dtype = feature_dtype
         self.feature_width = feature_width
-        self.schema = shard_schema(feature_dtype, feature_width)
+        self.top_k = top_k
+        self.schema = shard_schema(feature_dtype, feature_width, top_k)
         self._sink = pa.OSFile(str(self.tmp_path), "wb")
         self._writer = pa.ipc.new_file(self._sink, self.schema)
         self.sequences = 0
         self.tokens = 0
 
-    def write(self, sequence_id: str, input_ids, loss_mask, target_next, features) -> None:
+    def write(self, sequence_id: str, input_ids, loss_mask, target_next, features, topk_ids=None, topk_logprobs=None) -> None:
+        """One sequence; `topk_ids` / `topk_logprobs` are [S, K] (None when K is 0)."""
         length = len(input_ids)
-        if not (len(loss_mask) == len(target_next) == features.shape[0] == length) or features.shape[1] != self.feature_width:
+        if self.top_k == 0:
+            topk_ids, topk_logprobs = np.zeros((length, 0), np.int32), np.zeros((length, 0), np.float32)
+        topk_ids, topk_logprobs = np.asarray(topk_ids, dtype=np.int32), np.asarray(topk_logprobs, dtype=np.float32)
+        if not (len(loss_mask) == len(target_next) == features.shape[0] == length) or features.shape[1] != self.feature_width \
+                or topk_ids.shape != (length, self.top_k) or topk_logprobs.shape != (length, self.top_k):
             raise ValueError(
                 f"sequence {sequence_id}: lengths disagree (ids {length}, mask {len(loss_mask)}, "
-                f"next {len(target_next)}, features {tuple(features.shape)}, width {self.feature_width})"
+                f"next {len(target_next)}, features {tuple(features.shape)}, width {self.feature_width}, "
+                f"top-k {topk_ids.shape} / {topk_logprobs.shape}, K {self.top_k})"
             )
         values, scales = encode_features(features, self.feature_dtype)
         value_type = pa.uint16() if self.feature_dtype == "bf16" else pa.uint8()
@@ -154,6 +175,8 @@ class ShardWriter:
             _list_array(np.asarray(input_ids, dtype=np.int32), pa.int32()),
             _list_array(np.asarray(loss_mask, dtype=np.uint8), pa.uint8()),
             _list_array(np.asarray(target_next, dtype=np.int32), pa.int32()),
+            _list_array(topk_ids.reshape(-1), pa.int32()),
+            _list_array(topk_logprobs.reshape(-1), pa.float32()),
             pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), pa.array(values, value_type)),
         ]
         if scales is not None:
@@ -202,6 +225,7 @@ class Manifest:
     loss_tokens: int
     shards: list[ShardInfo]
     stats: dict = field(default_factory=dict)
+    target_top_k: int = 0
     format_version: int = SHARD_FORMAT_VERSION
 
     def save(self, folder: Path) -> None:
@@ -212,7 +236,8 @@ class Manifest:
         path = Path(folder) / "manifest.json"
         data = read_json(path, missing="no manifest; run the `capture` stage first (dvc repro capture)")
         if data.get("format_version") != SHARD_FORMAT_VERSION:
-            raise PipelineError(f"{path}: format_version {data.get('format_version')!r}, this code reads {SHARD_FORMAT_VERSION}")
+            raise PipelineError(f"{path}: shard format_version {data.get('format_version')!r}, this code reads only "
+                                f"{SHARD_FORMAT_VERSION}; recapture (dvc repro capture)")
         try:
             data["shards"] = [ShardInfo(**s) for s in data["shards"]]
             return cls(**data)
@@ -249,6 +274,7 @@ class ShardDataset:
             self._index.extend((shard_number, batch) for batch in range(info.sequences))
         self.width = self.manifest.feature_width
         self.dtype = self.manifest.feature_dtype
+        self.top_k = self.manifest.target_top_k
 
     def _shard(self, shard_number: int) -> "_MappedShard":
         shard = self._readers.get(shard_number)
@@ -267,15 +293,22 @@ class ShardDataset:
         shard_number, row = self._index[index]
         shard = self._shard(shard_number)
         sequence_id, columns = shard.row(row)
-        values = shard.view(*columns[3])
-        scales = shard.view(*columns[4]) if self.dtype == "fp8_e4m3" else None
+        def column(number):  # `columns` leaves out the sequence id
+            return shard.view(*columns[number - 1])
+
+        scales = column(FEATURE_SCALES) if self.dtype == "fp8_e4m3" else None
         return Sample(
             sequence_id=sequence_id,
-            input_ids=torch.from_numpy(shard.view(*columns[0])),
-            loss_mask=torch.from_numpy(shard.view(*columns[1])),
-            target_next=torch.from_numpy(shard.view(*columns[2])),
-            features=decode_features(values, scales, self.width, self.dtype),
+            input_ids=torch.from_numpy(column(INPUT_IDS)),
+            loss_mask=torch.from_numpy(column(LOSS_MASK)),
+            target_next=torch.from_numpy(column(TARGET_NEXT)),
+            features=decode_features(column(FEATURES), scales, self.width, self.dtype),
+            target_topk_ids=self._per_token(torch.from_numpy(column(TOPK_IDS)), len(column(INPUT_IDS))),
+            target_topk_logprobs=self._per_token(torch.from_numpy(column(TOPK_LOGPROBS)), len(column(INPUT_IDS))),
         )
+
+    def _per_token(self, flat, length: int):
+        return flat.view(length, self.top_k)
 
     def lengths(self) -> list[int]:
         """Tokens per sample, without touching the features (for length-aware batching)."""
@@ -313,7 +346,9 @@ class _MappedShard:
             columns = []
             for column in range(1, batch.num_columns):
                 values = batch.column(column).values
-                offset = values.buffers()[1].address - self._base + values.offset * _ITEM_BYTES[values.type]
+                data = values.buffers()[1]
+                # An empty list (top-k with K = 0) may have no data buffer at all.
+                offset = data.address - self._base + values.offset * _ITEM_BYTES[values.type] if len(values) else 0
                 columns.append((offset, len(values), values.type))
             layout = self._rows[number] = (batch.column(0)[0].as_py(), columns)
         return layout
@@ -340,7 +375,7 @@ def verify_split(folder: Path, manifest: Manifest | None = None) -> Manifest:
     """Check every shard against the manifest; the first problem stops with a one-line error."""
     folder = Path(folder)
     manifest = manifest or Manifest.load(folder)
-    expected_schema = shard_schema(manifest.feature_dtype, manifest.feature_width)
+    expected_schema = shard_schema(manifest.feature_dtype, manifest.feature_width, manifest.target_top_k)
     listed = {info.file for info in manifest.shards}
     for extra in sorted(p.name for p in folder.glob(SHARD_GLOB)):
         if extra not in listed:
@@ -368,12 +403,14 @@ def verify_split(folder: Path, manifest: Manifest | None = None) -> Manifest:
             batch = reader.get_batch(batch_number)
             if batch.num_rows != 1 or any(batch.column(c).offsets[0].as_py() != 0 for c in range(1, batch.num_columns)):
                 raise PipelineError(f"{path}: sequence {batch_number} is not laid out as one row per record batch")
-            length = len(_row_values(batch, 1))
-            if not (len(_row_values(batch, 2)) == len(_row_values(batch, 3)) == length):
+            length = len(_row_values(batch, INPUT_IDS))
+            if not (len(_row_values(batch, LOSS_MASK)) == len(_row_values(batch, TARGET_NEXT)) == length):
                 raise PipelineError(f"{path}: sequence {batch_number} has columns of different lengths")
-            if manifest.feature_dtype == "fp8_e4m3" and len(_row_values(batch, 5)) != length:
-                raise PipelineError(f"{path}: sequence {batch_number} has {len(_row_values(batch, 5))} scales for {length} tokens")
-            if len(_row_values(batch, 4)) != length * manifest.feature_width:
+            if not (len(_row_values(batch, TOPK_IDS)) == len(_row_values(batch, TOPK_LOGPROBS)) == length * manifest.target_top_k):
+                raise PipelineError(f"{path}: sequence {batch_number} has top-k columns for a different length or K")
+            if manifest.feature_dtype == "fp8_e4m3" and len(_row_values(batch, FEATURE_SCALES)) != length:
+                raise PipelineError(f"{path}: sequence {batch_number} has {len(_row_values(batch, FEATURE_SCALES))} scales for {length} tokens")
+            if len(_row_values(batch, FEATURES)) != length * manifest.feature_width:
                 raise PipelineError(f"{path}: sequence {batch_number} has features for a different length or width")
             shard_tokens += length
         if shard_tokens != info.tokens:

@@ -60,12 +60,13 @@ class TargetInfo:
     @classmethod
     def from_json(cls, path: Path) -> "TargetInfo":
         data = read_json(path, missing="no target fingerprint; run the `target` stage first (dvc repro target)")
-        if data.get("format_version") != TARGET_FORMAT_VERSION:
-            raise PipelineError(f"{path}: format_version {data.get('format_version')!r}, expected {TARGET_FORMAT_VERSION}")
+        # What the file is comes first: another JSON (a shard manifest) is "not a target.json".
         missing = [key for key in ("path", "architecture", "model_type", "num_layers", "hidden_size", "vocab_size", "dtype",
                                    "fingerprint", "eos_token_ids") if key not in data]
         if missing:
             raise PipelineError(f"{path}: no key {missing[0]!r} (not a target.json of the `target` stage)")
+        if data.get("format_version") != TARGET_FORMAT_VERSION:
+            raise PipelineError(f"{path}: format_version {data.get('format_version')!r}, expected {TARGET_FORMAT_VERSION}")
         model_path = Path(data["path"])
         if not model_path.is_absolute():
             # A relative path (the embedded conversion) is relative to target.json's own folder.

@@ -164,6 +164,22 @@ def _open_shards(target: TargetInfo, train_dir: Path, val_dir: Path) -> tuple[Sh
     return train_set, val_set
 
 
+def channel_rms_scale(train_set, *, max_tokens: int = 65536) -> torch.Tensor:
+    """One over each feature channel's RMS over the first `max_tokens` train tokens (every
+    position, the attention-sink first token included), in float64 so it does not depend on
+    summation order."""
+    total, count = None, 0
+    for index in range(len(train_set)):
+        features = train_set[index].features[: max_tokens - count].double()
+        squares = features.pow(2).sum(0)
+        total = squares if total is None else total + squares
+        count += features.shape[0]
+        if count >= max_tokens:
+            break
+    rms = (total / max(count, 1)).sqrt()
+    return (1.0 / rms.clamp(min=1e-6)).float()
+
+
 def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
               log=print) -> TrainingRun:
     """Shards, drafter, frozen head, optimizer and step plan; resumed from `out_dir` when it holds
@@ -186,12 +202,18 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     drafter_config = drafter_config_for(target, config, layer_ids=manifest.layer_ids, mask_token_id=mask_token_id,
                                         extra={"mask_token": mask_reason, "gamma": gamma})
     check_contract(manifest, target=target, drafter_config=drafter_config, source=str(train_dir / "manifest.json"))
+    if config.distill_weight > 0 and manifest.target_top_k == 0:
+        raise PipelineError(f"{train_dir / 'manifest.json'}: train.distill_weight {config.distill_weight} needs the target's top-k, "
+                            "and these shards hold none; set capture.target_top_k > 0 and rerun capture")
     drafter, init_note = new_drafter(config, target, drafter_config)
+    if config.feature_norm == "channel_rms":
+        drafter.feature_scale.copy_(channel_rms_scale(train_set))
     drafter.to(device).train()
     head = load_target_head(target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     if config.train_vocab == "data":
         answer_tokens = torch.cat([train_set[i].input_ids[train_set[i].loss_mask.bool()].long() for i in range(len(train_set))])
         vocabulary = TrainingVocabulary.from_tokens(head, answer_tokens)
+        drafter.set_draft_vocab(vocabulary.token_ids)  # it drafts over what it learnt to rank
     else:
         vocabulary = TrainingVocabulary.full(head)
     run = TrainingRun(
@@ -275,7 +297,7 @@ def train_step(run: TrainingRun, step: int) -> dict:
     weight_total = _all_reduce(batch.weights.sum().to(device), world)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
         loss, hits, _ = block_loss(run.drafter, run.head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
-                                   attention=run.attention, vocabulary=run.vocabulary)
+                                   attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight)
     hits = hits.cpu()
     loss_value = _all_reduce(loss.detach().clone(), world)
     if not torch.isfinite(loss_value):
