@@ -64,6 +64,8 @@ RECIPES = {
 def main(hidden, target_json, minutes, eval_every, recipes, out):
     import json
 
+    import torch
+
     from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.config import load_params
     from dflash_pipeline.scoring import comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
@@ -74,7 +76,7 @@ def main(hidden, target_json, minutes, eval_every, recipes, out):
     params = load_params("params.yaml")
     base, evaluate = params.train, params.evaluate
     target = TargetInfo.from_json(target_json)
-    head = load_target_head(target, device="cpu", dtype=__import__("torch").float32)
+    head = load_target_head(target, device="cpu", dtype=torch.float32)
     val_set = open_split(hidden / "val", expected_fingerprint=target.fingerprint)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, finals, reference = [], [], None
