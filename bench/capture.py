@@ -113,9 +113,9 @@ def _read_all_files(folder: Path, order, staging=None):
 
 
 def _first_sample_seconds(read_first) -> float:
-    started = time.perf_counter()
-    read_first()
-    return time.perf_counter() - started
+    from dflash_pipeline.devices import timed
+
+    return timed(read_first, "cpu")[1]
 
 
 @click.command()
@@ -128,6 +128,7 @@ def main(target_json, generated, count, rounds, scratch):
     import torch
 
     from dflash_pipeline.capture import load_sequences, plan_shards
+    from dflash_pipeline.devices import timed
     from dflash_pipeline.target import LayerTap, build_target_layer_ids
     from dflash_pipeline.files import sha256_file
     from dflash_pipeline.shards import bytes_per_token, open_split
@@ -135,6 +136,7 @@ def main(target_json, generated, count, rounds, scratch):
 
     info = TargetInfo.from_json(target_json)
     model, tokenizer = load_target(info)
+    device = next(model.parameters()).device
     sequences, _ = load_sequences(generated, max_length=2048, on_too_long="truncate")
     sequences = sequences[:count]
     layer_ids = build_target_layer_ids(info.num_layers, 5)
@@ -151,15 +153,12 @@ def main(target_json, generated, count, rounds, scratch):
     times = {"plain": 0.0, "capture": 0.0}
     for round_index in range(rounds):
         tap.remove()
-        started = time.perf_counter()
-        _plain_forward(model, batches, pad_id)
-        times["plain"] += time.perf_counter() - started
+        times["plain"] += timed(lambda: _plain_forward(model, batches, pad_id), device)[1]
         tap = LayerTap(model, layer_ids)
         folder = scratch / f"capture-{round_index}"
         folder.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        shard = _capture(model, tap, batches, pad_id, folder, width)
-        times["capture"] += time.perf_counter() - started
+        shard, seconds = timed(lambda: _capture(model, tap, batches, pad_id, folder, width), device)
+        times["capture"] += seconds
         print(f"round {round_index + 1}: plain {tokens / (times['plain'] / (round_index + 1)):.0f} tok/s, "
               f"capture {tokens / (times['capture'] / (round_index + 1)):.0f} tok/s")
     tap.remove()

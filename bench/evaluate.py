@@ -17,7 +17,6 @@ and the top-k / log-sum-exp / tree scoring of its logits.
 """
 
 import os
-import time
 from pathlib import Path
 
 import click
@@ -28,43 +27,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
     """Seconds in the drafter forwards, the head's matmul and the logits' scoring (one batched run)."""
     from dflash_pipeline import scoring
+    from dflash_pipeline.devices import timed
     from dflash_pipeline.model import DFlashDrafter
 
     spent = {"drafter forwards": 0.0, "head matmul": 0.0, "scoring (top-k, log-sum-exp, trees)": 0.0}
     originals = [(DFlashDrafter, "forward_blocks"), (scoring, "logits_into"), (scoring, "_score_logits")]
 
-    def timed(function, key):
+    device = head.lm_head_weight.device
+
+    def clocked(function, key):
         def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            result = function(*args, **kwargs)
-            spent[key] += time.perf_counter() - started
+            result, seconds = timed(lambda: function(*args, **kwargs), device)
+            spent[key] += seconds
             return result
         return wrapper
 
     saved = [getattr(owner, name) for owner, name in originals]
     for (owner, name), function, key in zip(originals, saved, spent):
-        setattr(owner, name, timed(function, key))
+        setattr(owner, name, clocked(function, key))
     try:
-        _, total = _timed(lambda: scoring.score_teacher_forced(drafter, head, dataset, anchors_per_sequence=config.anchors_per_sequence,
+        _, total = timed(lambda: scoring.score_teacher_forced(drafter, head, dataset, anchors_per_sequence=config.anchors_per_sequence,
                                                                  tokens_per_batch=config.tokens_per_batch, tree_budgets=budgets,
-                                                                 seed=config.seed, sequences=chosen))
+                                                                 seed=config.seed, sequences=chosen), device)
     finally:
         for (owner, name), function in zip(originals, saved):
             setattr(owner, name, function)
     rest = total - sum(spent.values())
     return f"{total:.2f} s = " + ", ".join(f"{key} {value:.2f} s" for key, value in [*spent.items(), ("the rest", rest)])
-
-
-def _timed(function):
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    result = function()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - started
 
 
 @click.command()
@@ -79,6 +68,7 @@ def main(checkpoint, hidden, target_json, params_path, sequences, device):
     import torch
 
     from dflash_pipeline.config import load_params
+    from dflash_pipeline.devices import timed
     from dflash_pipeline.scoring import score_one_block_at_a_time, score_teacher_forced
     from dflash_pipeline.shards import open_split
     from dflash_pipeline.target import TargetInfo
@@ -101,9 +91,9 @@ def main(checkpoint, hidden, target_json, params_path, sequences, device):
     def compare(label, chosen, anchors):
         kwargs = dict(anchors_per_sequence=anchors, tree_budgets=budgets, seed=config.seed, sequences=chosen)
         score_teacher_forced(drafter, head, dataset, tokens_per_batch=config.tokens_per_batch, **{**kwargs, "sequences": chosen[:1]})  # warm-up
-        batched, batched_s = _timed(lambda: score_teacher_forced(drafter, head, dataset, tokens_per_batch=config.tokens_per_batch, **kwargs))
-        fresh, fresh_s = _timed(lambda: score_one_block_at_a_time(drafter, head, dataset, reuse_context=False, **kwargs))
-        cached, cached_s = _timed(lambda: score_one_block_at_a_time(drafter, head, dataset, **kwargs))
+        batched, batched_s = timed(lambda: score_teacher_forced(drafter, head, dataset, tokens_per_batch=config.tokens_per_batch, **kwargs), device)
+        fresh, fresh_s = timed(lambda: score_one_block_at_a_time(drafter, head, dataset, reuse_context=False, **kwargs), device)
+        cached, cached_s = timed(lambda: score_one_block_at_a_time(drafter, head, dataset, **kwargs), device)
         same = True
         for plain in (fresh, cached):
             same &= all(np.array_equal(getattr(batched, n), getattr(plain, n)) for n in ("sequence", "anchor", "correct", "valid"))

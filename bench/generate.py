@@ -9,7 +9,6 @@ Generated tokens are counted as produced: rows that stop at EOS leave the batch.
 """
 
 import os
-import time
 from pathlib import Path
 
 import click
@@ -18,14 +17,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _throughput(model, prompts, *, batch_size, max_new_tokens, eos_ids, pad_id):
+    from dflash_pipeline.devices import timed
     from dflash_pipeline.generate import greedy_generate
 
-    tokens, started = 0, time.perf_counter()
-    for start in range(0, len(prompts), batch_size):
-        answers = greedy_generate(model, prompts[start : start + batch_size], max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
-        tokens += sum(len(a.token_ids) for a in answers)
-    seconds = time.perf_counter() - started
-    return tokens, seconds
+    def generate_all():
+        return sum(len(answer.token_ids)
+                   for start in range(0, len(prompts), batch_size)
+                   for answer in greedy_generate(model, prompts[start : start + batch_size], max_new_tokens=max_new_tokens,
+                                                 eos_ids=eos_ids, pad_id=pad_id))
+
+    return timed(generate_all, next(model.parameters()).device)
 
 
 @click.command()

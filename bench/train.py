@@ -10,7 +10,6 @@ for the run (`open_split`), or tensors copied into memory beforehand. Prints the
 """
 
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +32,7 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
     """The stage's own `train_step` over `plan`, with samples from `sample(i)`."""
     import torch
 
+    from dflash_pipeline.devices import timed
     from dflash_pipeline.model import DFlashDrafter
     from dflash_pipeline.train import TrainingRun, train_step
 
@@ -41,17 +41,8 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
     run = TrainingRun(config=replace(config, max_steps=len(plan)), drafter=drafter, head=head, vocabulary=vocabulary,
                       optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95)), train_set=_Source(sample),
                       val_set=None, plan=plan, mask_token_id=mask_token_id, gamma=gamma, record={}, device=device, attention=attention)
-    context_tokens = trained = 0
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for step in range(len(plan)):
-        row = train_step(run, step)
-        context_tokens += row["context_tokens"]
-        trained += row["trained_positions"]
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - started, context_tokens, trained, drafter
+    rows, seconds = timed(lambda: [train_step(run, step) for step in range(len(plan))], device)
+    return seconds, sum(row["context_tokens"] for row in rows), sum(row["trained_positions"] for row in rows), drafter
 
 
 @click.command()
@@ -64,8 +55,9 @@ def main(hidden, target_json, steps, rounds, device):
     import torch
 
     from dflash_pipeline.blocks import default_gamma
+    from dflash_pipeline.devices import bf16_peak_tflops
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.model import DFlashDrafter, count_parameters
+    from dflash_pipeline.model import DFlashDrafter, count_parameters, training_flops
     from dflash_pipeline.shards import Sample, open_split
     from dflash_pipeline.target import TargetInfo, load_target_head
     from dflash_pipeline.loss import TrainingVocabulary
@@ -111,15 +103,10 @@ def main(hidden, target_json, steps, rounds, device):
     print(f"step time, shard loader / in memory = {loader_s / memory_s:.3f} (goal <= 1.05)")
     seconds, context_tokens, trained = totals["shard loader"]
     print(f"throughput: {context_tokens / seconds:.0f} context tokens/s, {trained / seconds:.0f} trained positions/s")
-    if device.startswith("cuda"):
-        # 6 FLOPs per parameter per trained query token for the drafter (forward + backward),
-        # plus the head: 2 matmuls of [positions, H] x [H, V'] (logits and hidden gradient).
-        hidden_size = drafter_config.hidden_size
-        flops = 6 * count_parameters(initial) * (trained * drafter_config.block_size / (drafter_config.block_size - 1))
-        flops += 2 * 2 * trained * hidden_size * vocabulary.head_rows.shape[0]
-        peak = float(os.environ.get("PEAK_TFLOPS", "989")) * 1e12  # dense bf16 peak of an H100/H200 SXM
-        print(f"model FLOP utilisation ~{flops / seconds / peak * 100:.1f}% of {peak / 1e12:.0f} TFLOP/s")
-
+    peak = bf16_peak_tflops(device)
+    if peak:
+        flops = training_flops(initial, trained_positions=trained, context_tokens=context_tokens, vocab_rows=vocabulary.head_rows.shape[0])
+        print(f"model FLOP utilisation ~{flops / seconds / (peak * 1e12) * 100:.1f}% of {peak:.0f} TFLOP/s (dense bf16)")
 
 if __name__ == "__main__":
     main()

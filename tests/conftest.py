@@ -201,3 +201,18 @@ def start_then_kill_9(cmd: list[str], cwd: Path, ready, *, process_group: bool =
     else:
         process.send_signal(signal.SIGKILL)
     process.wait()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_llama_dir, tmp_path_factory):
+    """Target fingerprint + captured shards of fabricated sequences on the tiny Llama."""
+    from dflash_pipeline.capture import run_capture
+    from dflash_pipeline.config import CaptureConfig, TargetConfig
+    from dflash_pipeline.target import TargetInfo, prepare_target
+
+    root = tmp_path_factory.mktemp("train")
+    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=root / "target")
+    target = TargetInfo.from_json(root / "target" / "target.json")
+    generated = write_generated(root / "generated", {"train": 24, "val": 6}, answer_len=(10, 60))
+    run_capture(CaptureConfig(layer_ids=[1, 3]), target=target, generated_dir=generated, out_dir=root / "hidden", device="cpu")
+    return target, root

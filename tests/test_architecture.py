@@ -14,7 +14,7 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 # The layer table of the README's "Where things live": a module imports only from lower layers
 # (and, within its own layer, only where the table's order allows: earlier entries first).
 LAYERS = [
-    ["errors", "files", "config", "runtime", "stats", "progress"],
+    ["errors", "files", "config", "runtime", "devices", "stats", "progress"],
     ["prompts", "shards", "hf_folder", "embedded", "target", "model", "serving"],
     ["blocks", "checkpoints", "drafters", "engine", "scoring", "loss"],
     ["generate", "capture", "train", "evaluate", "export"],

@@ -34,17 +34,6 @@ TINY_TRAIN = TrainConfig(num_layers=1, block_size=4, max_steps=6, tokens_per_ste
                          eval_every=3, save_every=3, eval_blocks=16, logits_chunk=64, lr=1e-3)
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tiny_llama_dir, tmp_path_factory):
-    """Target fingerprint + captured shards of fabricated sequences on the tiny Llama."""
-    root = tmp_path_factory.mktemp("train")
-    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=root / "target")
-    target = TargetInfo.from_json(root / "target" / "target.json")
-    generated = write_generated(root / "generated", {"train": 24, "val": 6}, answer_len=(10, 60))
-    run_capture(CaptureConfig(layer_ids=[1, 3]), target=target, generated_dir=generated, out_dir=root / "hidden", device="cpu")
-    return target, root
-
-
 def test_chunked_head_loss_and_gradient_equal_plain_cross_entropy():
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)

@@ -125,18 +125,23 @@ class Attention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[2], -1))
 
 
+# Device types where flex_attention runs compiled. CPU runs it eager by default (compiling costs
+# ~20 s and cannot train: torch has no flex backward on CPU); tests add "cpu" to run the compiled path.
+COMPILE_FLEX_ON = ("cuda",)
 _COMPILED_FLEX = {}
 
 
 def flex_attention_fn(device: torch.device):
-    """flex_attention, compiled on GPU (where it becomes one fused kernel), eager elsewhere."""
+    """flex_attention, compiled (one fused kernel) on the device types in COMPILE_FLEX_ON, eager elsewhere."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
+    if device.type not in COMPILE_FLEX_ON:
         return flex_attention
-    if "cuda" not in _COMPILED_FLEX:
-        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=True)
-    return _COMPILED_FLEX["cuda"]
+    if device.type not in _COMPILED_FLEX:
+        # Dynamic shapes on CUDA (every batch packs a different length). Inductor's CPU flex template
+        # fails to build dynamic kernels when Q != K (torch 2.13), so the CPU compiles per shape.
+        _COMPILED_FLEX[device.type] = torch.compile(flex_attention, dynamic=device.type == "cuda")
+    return _COMPILED_FLEX[device.type]
 
 
 def to_block_mask(mask: torch.Tensor):
@@ -389,3 +394,16 @@ def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: i
 
 def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def training_flops(drafter: "DFlashDrafter", *, trained_positions: int, context_tokens: int, vocab_rows: int) -> float:
+    """Model FLOPs of training steps that drafted `trained_positions` slots over `context_tokens`
+    context positions: 6 per weight per token it touches (forward + backward), where block tokens
+    (one anchor per B-1 trained slots) pass every layer and context tokens pass fc and each layer's
+    k/v projections; plus the frozen head's two matmuls per slot (logits, and the hidden state's
+    gradient) over `vocab_rows` rows. Attention scores are left out (small at these lengths)."""
+    block_tokens = trained_positions * drafter.config.block_size / (drafter.config.block_size - 1)
+    context_weights = drafter.fc.weight.numel() + sum(layer.self_attn.k_proj.weight.numel() + layer.self_attn.v_proj.weight.numel()
+                                                      for layer in drafter.layers)
+    return (6 * count_parameters(drafter.layers) * block_tokens + 6 * context_weights * context_tokens
+            + 2 * 2 * trained_positions * drafter.config.hidden_size * vocab_rows)

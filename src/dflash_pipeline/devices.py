@@ -1,0 +1,58 @@
+"""What depends on the device: where compute runs in bf16, and timing that waits for the device.
+
+CUDA runs the drafter under bf16 autocast (the target and its head are stored in bf16 there); the
+CPU computes in fp32 by default so results are exact and reproducible. Tests turn bf16 on for the
+CPU to run the GPU's arithmetic path where no GPU is present.
+"""
+
+import os
+import time
+
+import torch
+
+# Dense bf16 tensor-core peaks by the vendors' datasheets (SXM parts), TFLOP/s. PEAK_TFLOPS overrides.
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "4090": 165.0}
+
+
+def bf16_by_default(device) -> bool:
+    """Whether `device` computes in bf16 unless told otherwise: CUDA yes, CPU no."""
+    return torch.device(device).type == "cuda"
+
+
+def autocast(device, enabled: bool | None = None):
+    """bf16 autocast for `device`'s own type (CPU autocast exists too), on when `enabled` says so,
+    else where `bf16_by_default` says so."""
+    device_type = torch.device(device).type
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16_by_default(device) if enabled is None else enabled)
+
+
+def synchronize(device) -> None:
+    """Wait until `device` has finished its queued work (a no-op on CPU, where work is synchronous)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed(device, started: float) -> float:
+    """Seconds since `started` (a `time.perf_counter()` value), once `device` has finished."""
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def timed(function, device):
+    """(result, seconds) of `function()`, timed from a synchronised start to a synchronised end."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = function()
+    return result, elapsed(device, started)
+
+
+
+def bf16_peak_tflops(device) -> float | None:
+    """The dense bf16 peak of `device`'s chip (for model FLOPs utilisation); None where unknown or on CPU."""
+    if os.environ.get("PEAK_TFLOPS"):
+        return float(os.environ["PEAK_TFLOPS"])
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(torch.device(device))
+    return next((peak for chip, peak in BF16_PEAK_TFLOPS.items() if chip in name), None)
