@@ -22,7 +22,6 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import numpy as np
 import pytest

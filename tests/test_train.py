@@ -12,16 +12,16 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO_ROOT, run, start_then_kill_9, write_generated
+from conftest import REPO_ROOT, run, start_then_kill_9
 from dflash_pipeline.blocks import build_batch, decay_weights, valid_anchors
 from dflash_pipeline.capture import run_capture
 from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
-from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
+from dflash_pipeline.config import CaptureConfig, TrainConfig
 from dflash_pipeline.drafters import choose_mask_token
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.loss import ChunkedHeadCrossEntropy
 from dflash_pipeline.shards import Sample
-from dflash_pipeline.target import TargetInfo, load_target_head, prepare_target
+from dflash_pipeline.target import load_target_head
 from dflash_pipeline.train import learning_rate, plan_steps, run_train
 
 # The first losses of the tiny end-to-end run below. A change in model, loss, batching,
