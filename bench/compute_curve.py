@@ -54,13 +54,15 @@ def main(checkpoints_dir, hidden, generated, target_json, num_prompts, out):
     rows, _ = score_candidates(candidates, head, val_set, categories, config, device="cpu")
     e2e, _ = decode_end_to_end([c.name for c in candidates], candidates, head, target=target, layer_ids=val_set.manifest.layer_ids,
                                feature_dtype=val_set.manifest.feature_dtype, generated_val=generated / "val.parquet", config=config,
-                               device="cpu")
+                               device="cpu", acceptance={row["name"]: [row[f"slot{k}_acc_cond"] for k in range(1, row["block_size"])]
+                                                         for row in rows})
     table = []
     for row in rows:
         summary = e2e[row["name"]]
         table.append({"step": row["step"], "train_minutes": round(seconds_at.get(row["step"], float("nan")) / 60, 2),
                       "tau": row["tau"], "tau_ci95": row["tau_ci95"], "ddtree8_streak": row.get("ddtree8_streak"),
-                      "e2e_tau": summary["e2e_tau"], "speedup": summary["speedup"], "break_even_tau": summary["break_even_tau"],
+                      "e2e_tau": summary["e2e_tau"], "verify_tokens": summary.get("verify_tokens"), "speedup": summary["speedup"],
+                      "break_even_tau": summary["break_even_tau"],
                       "lossless_rate": summary["lossless_rate"]})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
@@ -68,9 +70,9 @@ def main(checkpoints_dir, hidden, generated, target_json, num_prompts, out):
         writer = csv.DictWriter(handle, fieldnames=list(table[0]))
         writer.writeheader()
         writer.writerows(table)
-    print(f"{'step':>6} {'train min':>9} {'tau':>15} {'ddtree8':>8} {'e2e tau':>8} {'speedup':>8} {'break-even':>10} lossless")
+    print(f"{'step':>6} {'train min':>9} {'tau':>15} {'ddtree8':>8} {'verify k':>8} {'e2e tau':>8} {'speedup':>8} {'break-even':>10} lossless")
     for r in table:
-        print(f"{r['step']:6d} {r['train_minutes']:9.1f} {r['tau']:7.3f} +- {r['tau_ci95']:.3f} {r['ddtree8_streak']:8.3f} "
+        print(f"{r['step']:6d} {r['train_minutes']:9.1f} {r['tau']:7.3f} +- {r['tau_ci95']:.3f} {r['ddtree8_streak']:8.3f} {r['verify_tokens']!s:>8} "
               f"{r['e2e_tau']:8.3f} {r['speedup']:8.3f} {r['break_even_tau']:10.3f} {r['lossless_rate']}")
 
     import matplotlib

@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.engine import DecodeRun, EndToEndPrompt, drafter_proposer, greedy_decode, speculative_decode, summarize_end_to_end
+from dflash_pipeline.engine import (
+    DecodeRun,
+    EndToEndPrompt,
+    choose_verify_tokens,
+    drafter_proposer,
+    forward_costs,
+    greedy_decode,
+    speculative_decode,
+    summarize_end_to_end,
+    verified_prefix,
+)
 from dflash_pipeline.evaluate import check_drafter_contract, select_checkpoints, val_prompts
 from dflash_pipeline.scoring import (
     BlockScores,
@@ -513,3 +523,27 @@ def test_speculative_decoding_with_a_draft_vocabulary_stays_lossless(tiny_target
 
     spec = speculative_decode(model, tap, restricted, recording, prompt, max_new_tokens=30, eos_ids={2})
     assert spec.tokens == plain.tokens and proposed and set(proposed) <= set(vocabulary)
+
+
+def test_the_verify_length_maximises_expected_tokens_per_unit_of_cost():
+    # slot acceptances 0.4, 0.5, 0.5: expected tokens 1.4, 1.6, 1.7 for k = 1, 2, 3
+    costs = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.5}
+    tokens, rates = choose_verify_tokens([0.4, 0.5, 0.5], costs, draft_steps=0.1)
+    assert rates == pytest.approx([1.4 / 1.2, 1.6 / 1.3, 1.7 / 1.6])
+    assert tokens == 2
+    # a free verify forward makes the longest block best; an unreached slot adds nothing
+    assert choose_verify_tokens([0.4, 0.5, 0.5], {1: 1, 2: 1, 3: 1, 4: 1}, 0.0)[0] == 3
+    assert choose_verify_tokens([0.4, float("nan"), 0.5], {1: 1, 2: 1, 3: 1, 4: 1}, 0.0)[1][1:] == [1.4, 1.4]
+
+
+def test_verifying_a_prefix_of_the_draft_stays_lossless(tiny_target):
+    model, tap, head, drafter, prompt = tiny_target
+    plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
+    oracle.prompt_length = len(prompt)
+    for tokens in (1, 2):
+        spec = speculative_decode(model, tap, drafter, verified_prefix(oracle(plain.tokens), tokens), prompt, max_new_tokens=30,
+                                  eos_ids={2})
+        assert spec.tokens == plain.tokens
+        assert set(spec.steps[:-1]) == {tokens + 1}  # every step commits the verified prefix plus the bonus
+    costs = forward_costs(model, prompt, [1, 2, 5], repeats=1)
+    assert set(costs) == {1, 2, 5} and all(seconds > 0 for seconds in costs.values())

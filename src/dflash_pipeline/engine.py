@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_pipeline.devices import autocast, synchronize
+from dflash_pipeline.devices import autocast, synchronize, timed
 from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.stats import mean_ci95
@@ -91,8 +91,9 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
                        feature_dtype: str = "bf16", bf16: bool | None = None) -> DecodeRun:
     """Lossless speculative decoding of one prompt at T = 0.
 
-    Loop: the drafter proposes B-1 tokens after the anchor (the last committed token); the target
-    verifies [anchor, proposal] in one forward; the matching prefix plus the target's own next
+    Loop: the drafter proposes up to B-1 tokens after the anchor (the last committed token; fewer
+    when `propose` is cut to a shorter verify length, `verified_prefix`); the target verifies
+    [anchor, proposal] in one forward; the matching prefix plus the target's own next
     token (the bonus) are committed; the target KV cache is cropped to the committed length and
     the drafter's context cache is extended with the committed positions' features only.
     `tap` is the capture stage's LayerTap on `model`, so features come from the same layers as
@@ -103,7 +104,6 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    block_size = drafter.config.block_size
     cache, draft_cache = DynamicCache(config=model.config), DraftCache(drafter)
     synchronize(device)
     started = time.perf_counter()
@@ -122,10 +122,10 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
         synchronize(device)
         drafted = time.perf_counter()
         out = model(input_ids=torch.tensor([[anchor] + proposal], device=device),
-                    position_ids=torch.arange(position, position + block_size, device=device)[None], cache=cache, use_cache=True)
-        choice = out.logits[0].argmax(-1).tolist()  # the target's token after each block position
+                    position_ids=torch.arange(position, position + len(proposal) + 1, device=device)[None], cache=cache, use_cache=True)
+        choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
         accepted = 0
-        while accepted < block_size - 1 and proposal[accepted] == choice[accepted]:
+        while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
             accepted += 1
         _crop(cache, position + accepted + 1)
         synchronize(device)
@@ -149,6 +149,53 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     synchronize(device)
     run.seconds = time.perf_counter() - started
     return run
+
+
+def verified_prefix(propose, tokens: int):
+    """`propose` cut to its first `tokens` drafted tokens: the target then verifies tokens + 1
+    positions per step. Lossless at any length; which length pays best is `choose_verify_tokens`'s."""
+
+    def shorter(cache: DraftCache, anchor: int) -> list[int]:
+        return propose(cache, anchor)[:tokens]
+
+    return shorter
+
+
+@torch.inference_mode()
+def forward_costs(model, prompt_ids: list[int], lengths: list[int], *, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of one target forward of n new tokens (with the argmax of each position's
+    logits, as a verify step takes it) after the KV cache of `prompt_ids`, for each n in `lengths`;
+    the lengths take turns, so drift in machine speed falls on all alike."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    start = len(prompt_ids)
+    samples = {n: [] for n in lengths}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for n in lengths:
+            ids = torch.tensor([prompt_ids[-n:]], device=device)
+            positions = torch.arange(start, start + n, device=device)[None]
+            _, seconds = timed(lambda: model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).logits[0].argmax(-1).tolist(),
+                               device)
+            _crop(cache, start)
+            if repeat:
+                samples[n].append(seconds)
+    return {n: float(np.median(values)) for n, values in samples.items()}
+
+
+def choose_verify_tokens(conditional_acceptance: list[float], verify_steps: dict[int, float], draft_steps: float) -> tuple[int, list[float]]:
+    """The number k of drafted tokens to verify per step (1..B-1) that commits the most tokens per
+    unit of time, and that rate for every k: (1 + sum_{j<=k} prod_{i<=j} a_i) / (verify_steps[k+1] + draft_steps),
+    with a_i the drafter's conditional acceptance of slot i (teacher-forced) and the costs of a
+    (k+1)-token verify forward and of drafting in decode steps, measured on this machine."""
+    rates, reach, expected = [], 1.0, 1.0
+    for k, acceptance in enumerate(conditional_acceptance, start=1):
+        reach *= acceptance if acceptance == acceptance else 0.0  # nan: the slot never reached
+        expected += reach
+        rates.append(expected / (verify_steps[k + 1] + draft_steps))
+    return int(np.argmax(rates)) + 1, rates
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

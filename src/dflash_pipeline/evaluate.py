@@ -22,7 +22,16 @@ import torch
 
 from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.devices import autocast, bf16_by_default
-from dflash_pipeline.engine import EndToEndPrompt, drafter_proposer, end_to_end, summarize_end_to_end
+from dflash_pipeline.engine import (
+    EndToEndPrompt,
+    choose_verify_tokens,
+    drafter_proposer,
+    end_to_end,
+    forward_costs,
+    speculative_decode,
+    summarize_end_to_end,
+    verified_prefix,
+)
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
 from dflash_pipeline.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
@@ -181,16 +190,40 @@ def score_candidates(candidates: list[Candidate], head, val_set, categories: lis
 
 
 def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, target, layer_ids: list[int], feature_dtype: str,
-                      generated_val: Path, config, device: str) -> tuple[dict[str, dict], list[EndToEndPrompt]]:
-    """Speculative decoding with each named drafter against plain greedy, on the real target."""
+                      generated_val: Path, config, device: str, acceptance: dict[str, list[float]] | None = None
+                      ) -> tuple[dict[str, dict], list[EndToEndPrompt]]:
+    """Speculative decoding with each named drafter against plain greedy, on the real target.
+
+    With `acceptance` (name -> the drafter's teacher-forced conditional acceptance per slot), each
+    drafter verifies the number of drafted tokens that pays best on this machine
+    (`engine.choose_verify_tokens`, from target forward costs measured here first); else all B-1.
+    """
     model, _ = load_target(target, device=device)
     tap = LayerTap(model, layer_ids)
+    prompts = val_prompts(generated_val, config.num_prompts)
     by_name = {c.name: c for c in candidates}
-    runners = [(name, by_name[name].drafter, drafter_proposer(by_name[name].drafter, head)) for name in names]
-    results = end_to_end(model, tap, runners, val_prompts(generated_val, config.num_prompts), max_new_tokens=config.max_new_tokens,
-                         eos_ids=set(target.eos_token_ids), feature_dtype=feature_dtype, progress=True)
+    runners, choices = [], {}
+    costs = None
+    if acceptance and prompts:
+        longest = max(by_name[name].drafter.config.block_size for name in names)
+        seconds = forward_costs(model, prompts[0][1], list(range(1, longest + 1)))
+        costs = {n: value / seconds[1] for n, value in seconds.items()}  # in decode steps
+    for name in names:
+        drafter = by_name[name].drafter
+        propose = drafter_proposer(drafter, head)
+        if costs is not None:
+            trial = speculative_decode(model, tap, drafter, propose, prompts[0][1], max_new_tokens=16, eos_ids=set(target.eos_token_ids),
+                                       feature_dtype=feature_dtype)
+            draft_steps = trial.draft_seconds / max(1, len(trial.steps)) / seconds[1]
+            tokens, rates = choose_verify_tokens(acceptance[name], costs, draft_steps)
+            choices[name] = {"verify_tokens": tokens, "forward_cost_steps": [round(costs[n], 3) for n in sorted(costs)],
+                             "expected_tokens_per_step_cost": [round(r, 4) for r in rates]}
+            propose = verified_prefix(propose, tokens)
+        runners.append((name, drafter, propose))
+    results = end_to_end(model, tap, runners, prompts, max_new_tokens=config.max_new_tokens, eos_ids=set(target.eos_token_ids),
+                         feature_dtype=feature_dtype, progress=True)
     tap.remove()
-    return {name: summarize_end_to_end(results, name) for name in names}, results
+    return {name: {**summarize_end_to_end(results, name), **choices.get(name, {})} for name in names}, results
 
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
@@ -229,9 +262,10 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
             log(f"evaluate: {comparison_verdict(row['name'], best['name'], mean, half, prompts)}")
     if config.num_prompts > 0 and generated_val is not None:
         names = [best["name"]] + [row["name"] for row in rows if row["kind"] == "baseline" and row["name"] != best["name"]]
+        acceptance = {row["name"]: [row[f"slot{k}_acc_cond"] for k in range(1, row["block_size"])] for row in rows}
         result.e2e, result.e2e_results = decode_end_to_end(names, candidates, head, target=target, layer_ids=manifest.layer_ids,
                                                            feature_dtype=manifest.feature_dtype, generated_val=generated_val,
-                                                           config=config, device=device)
+                                                           config=config, device=device, acceptance=acceptance)
         for row in rows:
             if row["name"] in result.e2e:
                 row.update({k: v for k, v in result.e2e[row["name"]].items() if k != "mismatches"})

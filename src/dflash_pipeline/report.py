@@ -93,7 +93,7 @@ def flat_metrics(result, tree_budgets: list[int]) -> dict:
     """eval.json: stable flat keys for the chosen drafter, plus a short entry per baseline."""
     best = result.best
     keep = ["tau", "tau_ci95", "blocks", "prompts", "e2e_tau", "e2e_tau_ci95", "lossless_rate", "near_tie_mismatches", "speedup", "plain_tokens_per_s",
-            "spec_tokens_per_s", "break_even_tau", "verify_cost_steps", "draft_cost_steps", "decode_step_ms", "e2e_prompts",
+            "spec_tokens_per_s", "break_even_tau", "verify_tokens", "verify_cost_steps", "draft_cost_steps", "decode_step_ms", "e2e_prompts",
             "time_prefill", "time_verify", "time_draft", "time_overhead"]
     keep += [f"ddtree{b}_streak" for b in tree_budgets] + [f"ddtree{b}_streak_ci95" for b in tree_budgets]
     categories = sorted(set(result.categories))
