@@ -5,6 +5,7 @@
     dflash-pipeline verify-shards data/hidden/val --target data/target/target.json
     dflash-pipeline show data/checkpoints/step_000900
     dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
+    dflash-pipeline compare-runs data/eval other-clone/data/eval
 
 Each subcommand is a thin shell over the library, like the stage scripts: it resolves paths, builds
 a config from its options (never params.yaml), calls the library and prints. Every failure, usage
@@ -190,6 +191,22 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
 
 
 # ----------------------------------------------------------------------------- verify-shards
+
+
+@main.command("compare-runs", short_help="Are two runs' chosen drafters different, or drift? (paired over shared val prompts)")
+@click.argument("run_a", type=EXISTING_DIR)
+@click.argument("run_b", type=EXISTING_DIR)
+@one_line_errors
+def compare_runs(run_a, run_b):
+    """Compare the chosen drafters of two evaluate outputs (each run's data/eval folder), e.g. the
+    committed run against a recomputation on another machine: τ of each, their difference paired
+    over the val prompts both scored, and whether 95% tells them apart."""
+    from dflash_pipeline.report import compare_eval_runs
+
+    result = compare_eval_runs(run_a, run_b)
+    blocks = "the same val blocks" if result["same_blocks"] else "different val blocks (the runs' answers differ)"
+    click.echo(f"tau {result['tau_a']:.4f} vs {result['tau_b']:.4f} on {blocks}")
+    click.echo(result["verdict"])
 
 
 @main.command("verify-shards", short_help="Verify a shard split folder against its manifest.")
@@ -378,6 +395,7 @@ def export(checkpoint, out, dtype):
     \b
     Example:
       dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
+    dflash-pipeline compare-runs data/eval other-clone/data/eval
     """
     import torch
 

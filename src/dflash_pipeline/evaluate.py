@@ -162,6 +162,7 @@ class EvaluationResult:
     best: dict  # the chosen row
     blocks: dict[str, BlockScores]  # drafter name -> per-block scores
     categories: list[str]  # category of each val sequence
+    prompt_ids: list[str] = field(default_factory=list)  # prompt id of each val sequence (pairs blocks across runs)
     e2e: dict[str, dict] = field(default_factory=dict)  # drafter name -> end-to-end summary
     e2e_results: list[EndToEndPrompt] = field(default_factory=list)
     teacher_forced_seconds: float = 0.0
@@ -251,6 +252,7 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
     started = time.perf_counter()
     rows, blocks = score_candidates(candidates, head, val_set, categories, config, device=device, log=log)
     result = EvaluationResult(rows=rows, best=rows[0], blocks=blocks, categories=categories, layer_ids=manifest.layer_ids,
+                              prompt_ids=[val_set[index].sequence_id for index in range(len(val_set))],
                               teacher_forced_seconds=round(time.perf_counter() - started, 2))
     if any(row["kind"] == "checkpoint" for row in rows):
         result.best = choose_best(rows)
