@@ -201,7 +201,7 @@ def compare_runs(run_a, run_b):
     """Compare the chosen drafters of two evaluate outputs (each run's data/eval folder), e.g. the
     committed run against a recomputation on another machine: τ of each, their difference paired
     over the val prompts both scored, and whether 95% tells them apart."""
-    from dflash_pipeline.report import compare_eval_runs
+    from dflash_pipeline.evaluate import compare_eval_runs
 
     result = compare_eval_runs(run_a, run_b)
     blocks = "the same val blocks" if result["same_blocks"] else "different val blocks (the runs' answers differ)"

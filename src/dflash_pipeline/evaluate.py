@@ -276,3 +276,40 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
                 verdict = "differs at a near-tie (rounding, see engine.is_near_tie)" if "near-tie" in mismatch else "NOT LOSSLESS"
                 log(f"evaluate: {verdict}: {name} differs from plain greedy decoding on prompt {mismatch}")
     return result
+
+
+# ----------------------------------------------------------------------------- two runs
+
+
+def compare_eval_runs(run_a: Path, run_b: Path) -> dict:
+    """The chosen drafters of two `evaluate` outputs (their `data/eval` folders), paired by prompt.
+
+    Two runs of the pipeline (another machine, another CPU) score their own chosen drafter on
+    their own val blocks; the prompts both scored pair up, so the spread between prompts cancels
+    and the interval says whether the runs differ beyond what their prompts explain. Runs whose
+    greedy answers agree score the very same blocks.
+    """
+    import pandas as pd
+
+    from dflash_pipeline.files import read_json
+    from dflash_pipeline.stats import mean_ci95_over_prompts
+    from dflash_pipeline.stats import paired_difference as paired_over_prompts
+
+    sides = []
+    for folder in (Path(run_a), Path(run_b)):
+        chosen = read_json(folder / "best.json", missing="no best.json (not an evaluate output folder)")["name"]
+        try:
+            blocks = pd.read_parquet(folder / "blocks.parquet")
+        except (OSError, ValueError) as exc:
+            raise PipelineError(f"{folder / 'blocks.parquet'}: cannot be read ({exc})") from None
+        if "prompt_id" not in blocks.columns:
+            raise PipelineError(f"{folder / 'blocks.parquet'}: has no prompt_id column (written before 2026-12-03); rerun evaluate")
+        sides.append((chosen, blocks[blocks["drafter"] == chosen]))
+    (name_a, a), (name_b, b) = sides
+    mean, half, prompts = paired_over_prompts(a["tau"].to_numpy(), a["prompt_id"].to_numpy(), b["tau"].to_numpy(), b["prompt_id"].to_numpy())
+    same_blocks = (len(a) == len(b) and (a["prompt_id"].to_numpy() == b["prompt_id"].to_numpy()).all()
+                   and (a["anchor"].to_numpy() == b["anchor"].to_numpy()).all())
+    label_a, label_b = f"{run_a} ({name_a})", f"{run_b} ({name_b})"
+    tau_a, tau_b = (mean_ci95_over_prompts(side["tau"].to_numpy(), side["prompt_id"].to_numpy())[0] for side in (a, b))
+    return {"tau_a": tau_a, "tau_b": tau_b, "difference": mean, "ci95": half, "prompts": prompts,
+            "same_blocks": bool(same_blocks), "verdict": comparison_verdict(label_a, label_b, mean, half, prompts)}
