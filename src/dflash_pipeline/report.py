@@ -206,4 +206,3 @@ def summary_table(result) -> str:
     table = table[[c for c in columns if c in table.columns]]
     table.loc[table["name"] == result.best["name"], "name"] += " *"
     return table.to_string(index=False)
-
