@@ -28,8 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--num-prompts", default=None, type=int, help="End-to-end prompts (default: evaluate.num_prompts).")
 @click.option("--e2e-every", default=1, show_default=True, help="End-to-end decoding for every Nth checkpoint (and the last).")
+@click.option("--seconds-per-step", default=None, type=float,
+              help="Training minutes = step x this (a rate measured without other load), instead of the run's wall clock.")
 @click.option("--out", type=click.Path(path_type=Path), default="bench/results/compute_curve", show_default=True)
-def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every, out):
+def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every, seconds_per_step, out):
     from dataclasses import replace
 
     from dflash_pipeline.checkpoints import list_checkpoints
@@ -46,7 +48,8 @@ def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every
         config = replace(config, num_prompts=num_prompts)
     target = TargetInfo.from_json(target_json)
     val_set = open_split(hidden / "val", expected_fingerprint=target.fingerprint)
-    seconds_at = {row["step"]: row["seconds"] for row in read_json(checkpoints_dir / "state.json", missing="no state.json")["curve"]}
+    seconds_at = {row["step"]: row["seconds"] if seconds_per_step is None else row["step"] * seconds_per_step
+                  for row in read_json(checkpoints_dir / "state.json", missing="no state.json")["curve"]}
     folders = list_checkpoints(checkpoints_dir)
     candidates = load_candidates(checkpoint_folders=folders, baseline_dirs=[], target=target, layer_ids=val_set.manifest.layer_ids,
                                  device="cpu")
