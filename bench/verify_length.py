@@ -1,0 +1,87 @@
+"""How many drafted tokens to verify per step: every length side by side, and the one evaluate picks.
+
+    python bench/verify_length.py [--checkpoint data/checkpoints/step_001600] [--num-prompts 8]
+
+One drafter (default: the chosen checkpoint of `data/eval/best.json`) decodes the same val
+prompts verifying k = 1 .. B-1 drafted tokens per step, all in one process against one plain
+greedy run per prompt (`engine.end_to_end`, alternating which goes first). Prints, per k, the
+tokens per step, the speedup over plain decoding and the lossless rate, then the target forward
+costs and the k that `engine.choose_verify_tokens` predicts from them and the teacher-forced slot
+acceptance, as `evaluate` does.
+"""
+
+import os
+from pathlib import Path
+
+import click
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@click.command()
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Default: data/eval/best.json's drafter.")
+@click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
+@click.option("--generated", type=click.Path(path_type=Path), default="data/generated", show_default=True)
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
+@click.option("--num-prompts", default=8, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens):
+    import torch
+
+    from dflash_pipeline.checkpoints import load_checkpoint
+    from dflash_pipeline.config import load_params
+    from dflash_pipeline.engine import (
+        choose_verify_tokens,
+        drafter_proposer,
+        end_to_end,
+        forward_costs,
+        speculative_decode,
+        summarize_end_to_end,
+        verified_prefix,
+    )
+    from dflash_pipeline.evaluate import val_prompts
+    from dflash_pipeline.files import read_json
+    from dflash_pipeline.scoring import per_slot_acceptance, score_teacher_forced
+    from dflash_pipeline.shards import open_split
+    from dflash_pipeline.target import LayerTap, TargetInfo, load_target, load_target_head
+
+    target = TargetInfo.from_json(target_json)
+    checkpoint = checkpoint or Path(read_json(Path("data/eval/best.json"), missing="no data/eval/best.json: pass --checkpoint")["path"])
+    drafter, _ = load_checkpoint(checkpoint)
+    val_set = open_split(hidden / "val", expected_fingerprint=target.fingerprint)
+    config = load_params("params.yaml").evaluate
+    head = load_target_head(target, device="cpu", dtype=torch.float32)
+    scores = score_teacher_forced(drafter, head, val_set, anchors_per_sequence=config.anchors_per_sequence,
+                                  tokens_per_batch=config.tokens_per_batch, tree_budgets=[], seed=config.seed)
+    _, conditional = per_slot_acceptance(scores)
+    model, _ = load_target(target)
+    tap = LayerTap(model, val_set.manifest.layer_ids)
+    prompts = val_prompts(generated / "val.parquet", num_prompts)
+    eos_ids = set(target.eos_token_ids)
+    block = drafter.config.block_size
+    propose = drafter_proposer(drafter, head)
+
+    seconds = forward_costs(model, prompts[0][1], list(range(1, block + 1)))
+    costs = {n: value / seconds[1] for n, value in seconds.items()}
+    trial = speculative_decode(model, tap, drafter, propose, prompts[0][1], max_new_tokens=16, eos_ids=eos_ids,
+                               feature_dtype=val_set.manifest.feature_dtype)
+    draft_steps = trial.draft_seconds / max(1, len(trial.steps)) / seconds[1]
+    chosen, rates = choose_verify_tokens(conditional, costs, draft_steps)
+
+    candidates = [(f"k={k}", drafter, verified_prefix(propose, k)) for k in range(1, block)]
+    results = end_to_end(model, tap, candidates, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                         feature_dtype=val_set.manifest.feature_dtype, progress=True)
+    print(f"{checkpoint}: block {block}, teacher-forced conditional acceptance {[round(a, 3) for a in conditional]}; "
+          f"{len(prompts)} val prompts x {max_new_tokens} tokens; torch threads {torch.get_num_threads()}")
+    print("target forward of n tokens, in decode steps: " + ", ".join(f"n={n}: {c:.3f}" for n, c in sorted(costs.items()))
+          + f"; drafting {draft_steps:.3f}")
+    print(f"{'verify k':>8} {'tokens/step':>12} {'speedup':>8} {'break-even':>10} {'predicted rate':>14} lossless")
+    for k in range(1, block):
+        summary = summarize_end_to_end(results, f"k={k}")
+        print(f"{k:8d} {summary['e2e_tau']:12.3f} {summary['speedup']:8.3f} {summary['break_even_tau']:10.3f} {rates[k - 1]:14.3f} "
+              f"{summary['lossless_rate']}")
+    print(f"evaluate's rule picks k = {chosen}")
+
+
+if __name__ == "__main__":
+    main()
