@@ -5,7 +5,7 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 
 | branch | where | run on CPU by |
 |---|---|---|
-| compiled `flex_attention` + BlockMask (train on GPU) | model.flex_attention_fn, to_block_mask | test_compiled_flex_attention_equals_sdpa (forward) |
+| compiled `flex_attention` + BlockMask (train on GPU) | model.flex_attention_fn, to_block_mask | test_compiled_flex_attention_equals_sdpa (forward; the CPU compiles per shape, CUDA with dynamic shapes: inductor's CPU template cannot build dynamic Q != K kernels) |
 | flex backward | torch | NOT on CPU: torch 2.13 raises "FlexAttention does not support backward on CPU" (test_flex_backward_is_a_gpu_only_branch) |
 | bf16 autocast in the train step and periodic τ | train.train_step, train.validation_tau, devices.autocast | test_a_bf16_autocast_training_step_matches_fp32 |
 | bf16 head / target on CUDA | train.setup_run, evaluate.run_evaluate, target.load_target (one line each) | the bf16 tests below build the same bf16 head and target |
