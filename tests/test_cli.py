@@ -2,6 +2,7 @@
 installed entry point, and bad input as one line `error: ...` with exit status 1."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from dflash_pipeline.target import TargetInfo, prepare_target
 from dflash_pipeline.checkpoints import load_checkpoint
 
 CYCLE = [101, 202, 303, 404, 505]  # every answer repeats it, so a few training steps already draft some tokens right
-SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export", "plots"]
+SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export", "plots", "compare-runs", "generate"]
 
 
 def write_cycle_generated(folder: Path, rows_per_split: dict[str, int], seed: int = 0) -> Path:
@@ -317,3 +318,21 @@ def test_compare_runs_pairs_the_chosen_drafters_by_prompt(tmp_path):
                           "old/blocks.parquet: has no prompt_id column")
     (tmp_path / "empty").mkdir()
     assert_one_line_error(invoke("compare-runs", committed, tmp_path / "empty"), "empty/best.json", "no best.json")
+
+
+def test_generate_streams_the_answer_and_at_t0_equals_plain_decoding(tiny, tiny_qwen3_dir):
+    for drafter in (tiny.checkpoint, tiny.export):
+        result = invoke("generate", "Explain recursion.", "--target", tiny.target_json, "--drafter", drafter, "--max-new-tokens", 24,
+                        "--compare")
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.strip().splitlines()
+        assert re.match(r"speculative \(greedy\): 24 tokens, [\d.]+ tokens per step, [\d.]+ tokens/s", lines[-2]), lines
+        assert lines[-1].startswith("plain (greedy): 24 tokens") and lines[-1].endswith("identical answers"), lines
+    sampled = [invoke("generate", "Explain recursion.", "--target", tiny.target_json, "--drafter", tiny.checkpoint, "--max-new-tokens", 16,
+                      "--temperature", "0.8", "--rule", rule, "--seed", 3).stdout for rule in ("ratio", "ratio", "match")]
+    assert sampled[0].splitlines()[:-1] == sampled[1].splitlines()[:-1]  # the same seed samples the same answer
+    assert "speculative (T=0.8, ratio rule): 16 tokens" in sampled[0] and "T=0.8, match rule" in sampled[2]
+    # a drafter trained for another target is refused with one line naming the field
+    assert_one_line_error(invoke("generate", "hi", "--target", tiny_qwen3_dir, "--drafter", tiny.checkpoint),
+                          "checkpoint.json: target_fingerprint")
+    assert_one_line_error(invoke("generate", "hi", "--target", tiny.target_json, "--drafter", tiny.val), "a shard folder, not a drafter")

@@ -547,3 +547,26 @@ def test_verifying_a_prefix_of_the_draft_stays_lossless(tiny_target):
         assert set(spec.steps[:-1]) == {tokens + 1}  # every step commits the verified prefix plus the bonus
     costs = forward_costs(model, prompt, [1, 2, 5], repeats=1)
     assert set(costs) == {1, 2, 5} and all(seconds > 0 for seconds in costs.values())
+
+
+@pytest.mark.parametrize("rule", ["match", "ratio"])
+def test_sampled_speculative_decoding_commits_only_tokens_the_target_could_sample(tiny_target, rule):
+    from dflash_pipeline.sampling import Sampling
+
+    model, tap, head, drafter, prompt = tiny_target
+    sampling = Sampling(1.0, rule=rule, top_k=3, seed=5)
+    streamed = []
+    run = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head, sampling), prompt, max_new_tokens=30, eos_ids={2},
+                             sampling=sampling, on_tokens=streamed.extend)
+    again = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head, sampling), prompt, max_new_tokens=30, eos_ids={2},
+                               sampling=sampling)
+    assert run.tokens == again.tokens and streamed == run.tokens and len(run.tokens) == 30
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + run.tokens])).logits[0, len(prompt) - 1 : -1]
+    allowed = logits.topk(3, dim=-1).indices
+    assert all(token in allowed[i].tolist() for i, token in enumerate(run.tokens))  # top-k = 3: nothing else has mass
+    assert len(set(run.tokens)) > 1  # it sampled, not argmax every time
+    plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2}, sampling=sampling)  # the reference sampler, same rule
+    with torch.no_grad():
+        plain_logits = model(input_ids=torch.tensor([prompt + plain.tokens])).logits[0, len(prompt) - 1 : -1]
+    assert all(token in plain_logits.topk(3, dim=-1).indices[i].tolist() for i, token in enumerate(plain.tokens))

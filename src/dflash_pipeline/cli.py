@@ -6,6 +6,7 @@
     dflash-pipeline show data/checkpoints/step_000900
     dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
     dflash-pipeline compare-runs data/eval other-clone/data/eval
+    dflash-pipeline generate "Explain recursion." --target data/target/target.json --drafter data/export/drafter --compare
 
 Each subcommand is a thin shell over the library, like the stage scripts: it resolves paths, builds
 a config from its options (never params.yaml), calls the library and prints. Every failure, usage
@@ -200,7 +201,12 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
 def compare_runs(run_a, run_b):
     """Compare the chosen drafters of two evaluate outputs (each run's data/eval folder), e.g. the
     committed run against a recomputation on another machine: τ of each, their difference paired
-    over the val prompts both scored, and whether 95% tells them apart."""
+    over the val prompts both scored, and whether 95% tells them apart.
+
+    \b
+    Example:
+      dflash-pipeline compare-runs data/eval ../other-clone/data/eval
+    """
     from dflash_pipeline.evaluate import compare_eval_runs
 
     result = compare_eval_runs(run_a, run_b)
@@ -395,7 +401,6 @@ def export(checkpoint, out, dtype):
     \b
     Example:
       dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
-    dflash-pipeline compare-runs data/eval other-clone/data/eval
     """
     import torch
 
@@ -407,6 +412,87 @@ def export(checkpoint, out, dtype):
     config = drafter.config
     click.echo(f"export: {checkpoint} -> {folder} ({dtype}; drafter layers {config.num_layers}, block size {config.block_size}, "
                f"target layer ids {list(config.target_layer_ids)})")
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+@main.command("generate", short_help="Answer a prompt with speculative decoding (greedy or sampled), streaming.")
+@click.argument("prompt")
+@click.option("--target", "target_path", required=True, type=click.Path(exists=True, path_type=Path),
+              help="The target stage's target.json, or a local Hugging Face model folder.")
+@click.option("--drafter", "drafter_dir", required=True, type=EXISTING_DIR,
+              help="A training checkpoint (step_NNNNNN), an export, or a published DFlash drafter folder.")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--rule", type=click.Choice(["match", "ratio"]), default="match", show_default=True,
+              help="Acceptance rule at T > 0: the drafter's argmax matched against the target's sample, or speculative sampling.")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--verify-tokens", type=click.IntRange(min=1), default=None, help="Drafted tokens verified per step (default: all B-1).")
+@click.option("--compare", is_flag=True, help="Also decode without the drafter and report both.")
+@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@one_line_errors
+def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, seed, max_new_tokens, verify_tokens, compare, device):
+    """Answer PROMPT (one user turn, in the target's chat template) with the drafter, streaming the
+    text, then one line: tokens, tokens per step, tokens/s. --compare adds plain decoding of the
+    same prompt; at T = 0 the two answers must be identical.
+
+    \b
+    Example:
+      dflash-pipeline generate "Write a haiku about autumn." --target data/target/target.json \\
+          --drafter data/export/drafter --temperature 0.7 --compare
+    """
+    import torch
+
+    from dflash_pipeline.devices import bf16_by_default
+    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, verified_prefix
+    from dflash_pipeline.evaluate import load_candidates
+    from dflash_pipeline.generate import render_prompt
+    from dflash_pipeline.prompts import Prompt
+    from dflash_pipeline.sampling import Sampling
+    from dflash_pipeline.target import LayerTap, load_target, load_target_head
+
+    device = device or default_device()
+    target = target_info(target_path)
+    kind = folder_kind(drafter_dir)
+    if kind not in ("checkpoint", "drafter"):
+        raise PipelineError(f"{drafter_dir}: a shard folder, not a drafter (checkpoint.json or config.json)")
+    (candidate,) = load_candidates(checkpoint_folders=[drafter_dir] if kind == "checkpoint" else [],
+                                   baseline_dirs=[drafter_dir] if kind == "drafter" else [], target=target, layer_ids=None, device=device)
+    drafter = candidate.drafter.eval()
+    sampling = Sampling(temperature, rule=rule, top_k=top_k, top_p=top_p, seed=seed) if temperature > 0 else None
+    model, tokenizer = load_target(target, device=device)
+    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    tap = LayerTap(model, list(drafter.config.target_layer_ids))
+    prompt_ids = render_prompt(tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
+                               system_prompt=None, enable_thinking=False)
+    propose = drafter_proposer(drafter, head, sampling)
+    if verify_tokens is not None:
+        propose = verified_prefix(propose, min(verify_tokens, drafter.config.block_size - 1))
+    eos_ids = set(target.eos_token_ids)
+    if compare:  # first-call allocations and kernel choice would otherwise fall on the side that runs first
+        greedy_decode(model, prompt_ids, max_new_tokens=4, eos_ids=eos_ids)
+    shown: list[int] = []
+
+    def stream(tokens: list[int]) -> None:
+        before = tokenizer.decode(shown, skip_special_tokens=True)
+        shown.extend(tokens)
+        click.echo(tokenizer.decode(shown, skip_special_tokens=True)[len(before):], nl=False)
+
+    run = speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                             sampling=sampling, on_tokens=stream)
+    click.echo()
+    steps = sum(run.steps) / len(run.steps) if run.steps else 1.0
+    mode = "greedy" if sampling is None else f"T={temperature}, {rule} rule"
+    click.echo(f"speculative ({mode}): {len(run.tokens)} tokens, {steps:.2f} tokens per step, {len(run.tokens) / run.seconds:.1f} tokens/s")
+    if compare:
+        plain = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling)
+        rate = len(plain.tokens) / plain.seconds
+        same = "identical answers" if plain.tokens == run.tokens else (
+            "different answers: NOT LOSSLESS" if sampling is None else "different samples (expected at T > 0: same distribution)")
+        click.echo(f"plain ({mode}): {len(plain.tokens)} tokens, {rate:.1f} tokens/s; speedup {len(run.tokens) / run.seconds / rate:.2f}; {same}")
 
 
 # ----------------------------------------------------------------------------- plots

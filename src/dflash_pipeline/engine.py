@@ -19,6 +19,7 @@ import torch
 from dflash_pipeline.devices import autocast, synchronize, timed
 from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block
 from dflash_pipeline.progress import progress_iter
+from dflash_pipeline.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.stats import mean_ci95
 from dflash_pipeline.target import TargetHead
 
@@ -43,25 +44,36 @@ class DecodeRun:
 
 
 @torch.inference_mode()
-def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int]) -> DecodeRun:
-    """Plain greedy decoding of one prompt with a KV cache: the reference output and timing."""
+def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
+                  on_tokens=None) -> DecodeRun:
+    """Plain decoding of one prompt with a KV cache, greedy (or sampled with `sampling`): the
+    reference output and timing. `on_tokens(list)` sees each new token as it is made."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
+    generator = sampling.generator() if sampling else None
+
+    def next_token(logits) -> int:
+        return int(logits.argmax()) if sampling is None else draw(sampling.probs(logits), generator)
+
     cache = DynamicCache(config=model.config)
     synchronize(device)
     started = time.perf_counter()
     out = model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
-    token = int(out.logits[0, -1].argmax())
+    token = next_token(out.logits[0, -1])
     synchronize(device)
     prefilled = time.perf_counter()
     tokens, position = [token], len(prompt_ids)
+    if on_tokens:
+        on_tokens([token])
     while token not in eos_ids and len(tokens) < max_new_tokens:
         out = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[position]], device=device),
                     cache=cache, use_cache=True)
-        token = int(out.logits[0, -1].argmax())
+        token = next_token(out.logits[0, -1])
         tokens.append(token)
         position += 1
+        if on_tokens:
+            on_tokens([token])
     synchronize(device)
     return DecodeRun(tokens=tokens, seconds=time.perf_counter() - started, prefill_seconds=prefilled - started)
 
@@ -77,19 +89,40 @@ def as_stored(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
     return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
 
 
-def drafter_proposer(drafter: DFlashDrafter, head: TargetHead):
-    """The proposal function of a drafter: B-1 greedy tokens after the anchor."""
+@dataclass
+class Proposal:
+    """Drafted tokens and, for the "ratio" rule, the drafter's distribution q [k, V] of each slot."""
 
-    def propose(cache: DraftCache, anchor: int) -> list[int]:
-        return drafter.vocab_tokens(draft_block(drafter, head, cache, anchor).argmax(-1)).tolist()
+    tokens: list[int]
+    q: torch.Tensor | None = None
+
+
+def drafter_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Sampling | None = None):
+    """The proposal function of a drafter: B-1 tokens after the anchor, its argmax at T = 0 (and
+    under the "match" rule), sampled from q at the sampling temperature under "ratio" (then with q
+    over the full vocabulary, zero outside a draft vocabulary)."""
+    generator = sampling.generator(offset=1) if sampling else None  # the drafter's own stream
+
+    def propose(cache: DraftCache, anchor: int):
+        logits = draft_block(drafter, head, cache, anchor)
+        if sampling is None:
+            return drafter.vocab_tokens(logits.argmax(-1)).tolist()
+        if sampling.rule == "match":
+            return Proposal(drafter.vocab_tokens(logits.argmax(-1)).tolist())
+        columns = sampling.probs(logits)
+        picked = [draw(row, generator) for row in columns]
+        ids = drafter.vocab_tokens(torch.arange(columns.shape[-1], device=logits.device)).cpu()
+        q = torch.zeros(columns.shape[0], head.lm_head_weight.shape[0]).index_copy_(1, ids, columns)
+        return Proposal(ids[picked].tolist(), q)
 
     return propose
 
 
 @torch.inference_mode()
 def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
-                       feature_dtype: str = "bf16", bf16: bool | None = None) -> DecodeRun:
-    """Lossless speculative decoding of one prompt at T = 0.
+                       feature_dtype: str = "bf16", bf16: bool | None = None, sampling: Sampling | None = None,
+                       on_tokens=None) -> DecodeRun:
+    """Lossless speculative decoding of one prompt: greedy at T = 0, or sampled with `sampling`.
 
     Loop: the drafter proposes up to B-1 tokens after the anchor (the last committed token; fewer
     when `propose` is cut to a shorter verify length, `verified_prefix`); the target verifies
@@ -100,6 +133,11 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     the shards. `propose(cache, anchor) -> list[int]` is the drafter (replaceable in tests).
     The drafter's work runs under bf16 autocast when `bf16` says so (default: on CUDA); the target
     runs in its own dtype, exactly as in `greedy_decode`.
+
+    With `sampling` (T > 0), `propose` returns a `Proposal` (`drafter_proposer(..., sampling)`) and
+    each step is verified by `sampling.verify_chain` under `sampling.rule`: the committed tokens are
+    distributed exactly as `greedy_decode(..., sampling=...)` samples them. `on_tokens(list)` sees
+    each step's committed tokens (streaming).
     """
     from transformers import DynamicCache
 
@@ -107,26 +145,36 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     cache, draft_cache = DynamicCache(config=model.config), DraftCache(drafter)
     synchronize(device)
     started = time.perf_counter()
+    generator = sampling.generator() if sampling else None
     out = model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
-    anchor = int(out.logits[0, -1].argmax())
+    anchor = int(out.logits[0, -1].argmax()) if sampling is None else draw(sampling.probs(out.logits[0, -1]), generator)
     with autocast(device, bf16):
         draft_cache.extend(as_stored(tap.features()[0], feature_dtype).to(drafter.fc.weight.device))
     synchronize(device)
     run = DecodeRun(tokens=[anchor], seconds=0.0, prefill_seconds=time.perf_counter() - started)
+    if on_tokens:
+        on_tokens([anchor])
     position = len(prompt_ids)  # where the anchor sits
     finished = anchor in eos_ids or len(run.tokens) >= max_new_tokens
     while not finished:
         began = time.perf_counter()
         with autocast(device, bf16):
             proposal = propose(draft_cache, anchor)
+        q = None
+        if isinstance(proposal, Proposal):
+            proposal, q = proposal.tokens, proposal.q
         synchronize(device)
         drafted = time.perf_counter()
         out = model(input_ids=torch.tensor([[anchor] + proposal], device=device),
                     position_ids=torch.arange(position, position + len(proposal) + 1, device=device)[None], cache=cache, use_cache=True)
-        choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
-        accepted = 0
-        while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
-            accepted += 1
+        if sampling is None:
+            choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
+            accepted = 0
+            while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
+                accepted += 1
+            bonus = choice[accepted]
+        else:
+            accepted, bonus = verify_chain(sampling.probs(out.logits[0]), proposal, q, rule=sampling.rule, generator=generator)
         _crop(cache, position + accepted + 1)
         synchronize(device)
         verified = time.perf_counter()
@@ -134,13 +182,17 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
             draft_cache.extend(as_stored(tap.features()[0, : accepted + 1], feature_dtype).to(drafter.fc.weight.device))
         synchronize(device)
         extended = time.perf_counter()
-        committed = proposal[:accepted] + [choice[accepted]]
+        committed = proposal[:accepted] + [bonus]
+        kept = []
         for token in committed:
-            run.tokens.append(token)
+            kept.append(token)
             # An EOS accepted inside the block ends the answer even though the block goes on.
-            if token in eos_ids or len(run.tokens) >= max_new_tokens:
+            if token in eos_ids or len(run.tokens) + len(kept) >= max_new_tokens:
                 finished = True
                 break
+        run.tokens += kept
+        if on_tokens:
+            on_tokens(kept)
         run.steps.append(accepted + 1)
         position += accepted + 1
         anchor = committed[-1]
@@ -155,8 +207,11 @@ def verified_prefix(propose, tokens: int):
     """`propose` cut to its first `tokens` drafted tokens: the target then verifies tokens + 1
     positions per step. Lossless at any length; which length pays best is `choose_verify_tokens`'s."""
 
-    def shorter(cache: DraftCache, anchor: int) -> list[int]:
-        return propose(cache, anchor)[:tokens]
+    def shorter(cache: DraftCache, anchor: int):
+        proposal = propose(cache, anchor)
+        if isinstance(proposal, Proposal):
+            return Proposal(proposal.tokens[:tokens], None if proposal.q is None else proposal.q[:tokens])
+        return proposal[:tokens]
 
     return shorter
 

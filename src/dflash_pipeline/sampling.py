@@ -71,3 +71,24 @@ def verify_chain(target_probs: torch.Tensor, drafted: list[int], draft_probs: to
         # total is 0 only where p <= q everywhere, i.e. p == q up to rounding: then p itself
         return slot, draw(residual / total if total > 0 else p, generator)
     return len(drafted), draw(target_probs[len(drafted)], generator)
+
+
+class Sampling:
+    """How to sample: temperature (> 0), acceptance rule, top-k / top-p, and the seed of the
+    decode's own random stream (a run with the same seed samples the same tokens)."""
+
+    def __init__(self, temperature: float, *, rule: str = "match", top_k: int = 0, top_p: float = 1.0, seed: int = 0):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 to sample, got {temperature} (0 means greedy: pass no Sampling)")
+        if rule not in RULES:
+            raise ValueError(f"unknown acceptance rule {rule!r} (known: {', '.join(RULES)})")
+        if top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {top_k} and {top_p}")
+        self.temperature, self.rule, self.top_k, self.top_p, self.seed = temperature, rule, top_k, top_p, seed
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling distributions of logits [..., V], on the CPU (where the seeded draws happen)."""
+        return sampling_probs(logits.float().cpu(), self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def generator(self, offset: int = 0) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed + offset)
