@@ -1,0 +1,108 @@
+"""Speculative decoding modes side by side: greedy chains and sampled chains under both rules.
+
+    python bench/speculative.py [--checkpoint data/checkpoints/step_001600] [--num-prompts 8] [--temperature 1.0]
+
+The chosen drafter (data/eval/best.json) decodes the same val prompts in every mode, each against
+plain decoding in the same mode (greedy, or sampling at T with the same seed), alternating which
+goes first, in one process:
+  chain T=0            greedy;
+  chain T, "match"     the drafter's argmax against the target's own sample;
+  chain T, "ratio"     speculative sampling with the drafter's q;
+each verifying all B-1 drafted tokens and, when `evaluate` chose fewer (data/metrics/eval.json's
+verify_tokens), that k too.
+Per mode: tokens per step, the verify forward's cost in decode steps, speedup, and (at T = 0)
+whether every answer equals plain greedy decoding. At T > 0 answers are samples: the test of the
+distribution is tests/test_sampling.py. Tree decoding is not built yet (issue 13).
+"""
+
+import os
+from pathlib import Path
+
+import click
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@click.command()
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Default: data/eval/best.json's drafter.")
+@click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
+@click.option("--generated", type=click.Path(path_type=Path), default="data/generated", show_default=True)
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
+@click.option("--num-prompts", default=8, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--temperature", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, temperature, seed, device):
+    import numpy as np
+    import torch
+
+    from dflash_pipeline.checkpoints import load_checkpoint
+    from dflash_pipeline.devices import bf16_by_default
+    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, verified_prefix
+    from dflash_pipeline.evaluate import val_prompts
+    from dflash_pipeline.files import read_json
+    from dflash_pipeline.sampling import Sampling
+    from dflash_pipeline.shards import open_split
+    from dflash_pipeline.target import LayerTap, TargetInfo, load_target, load_target_head
+
+    target = TargetInfo.from_json(target_json)
+    checkpoint = checkpoint or Path(read_json(Path("data/eval/best.json"), missing="no data/eval/best.json: pass --checkpoint")["path"])
+    metrics = Path("data/metrics/eval.json")
+    chosen_k = read_json(metrics, missing="-").get("verify_tokens") if metrics.is_file() else None
+    drafter, _ = load_checkpoint(checkpoint, device=device)
+    feature_dtype = open_split(hidden / "val", expected_fingerprint=target.fingerprint).manifest.feature_dtype
+    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    model, _ = load_target(target, device=device)
+    tap = LayerTap(model, list(drafter.config.target_layer_ids))
+    prompts = val_prompts(generated / "val.parquet", num_prompts)
+    eos_ids = set(target.eos_token_ids)
+    block = drafter.config.block_size
+
+    lengths = [block - 1] + ([chosen_k] if chosen_k and chosen_k != block - 1 else [])
+    modes = [(f"chain T=0, k={k}", None, k) for k in lengths]
+    modes += [(f"chain T={temperature:g}, {rule}, k={k}", rule, k) for rule in ("match", "ratio") for k in lengths]
+
+    greedy_decode(model, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids)  # warm-up
+    rows = []
+    for label, rule, verify in modes:
+        sampling = Sampling(temperature, rule=rule, seed=seed) if rule else None
+        plain_tokens = plain_seconds = spec_tokens = spec_seconds = verify_seconds = decode_seconds = 0.0
+        steps, identical, per_step = 0, 0, []
+        for number, (_, prompt_ids) in enumerate(prompts):
+            propose = verified_prefix(drafter_proposer(drafter, head, sampling), verify)
+            runs = {}
+
+            def plain():
+                runs["plain"] = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling)
+
+            def speculative():
+                runs["spec"] = speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                                  feature_dtype=feature_dtype, sampling=sampling)
+
+            for part in ((plain, speculative) if number % 2 == 0 else (speculative, plain)):
+                part()
+            plain_run, spec_run = runs["plain"], runs["spec"]
+            plain_tokens += len(plain_run.tokens)
+            plain_seconds += plain_run.seconds
+            decode_seconds += (plain_run.seconds - plain_run.prefill_seconds) / max(1, len(plain_run.tokens) - 1)
+            spec_tokens += len(spec_run.tokens)
+            spec_seconds += spec_run.seconds
+            verify_seconds += spec_run.verify_seconds
+            steps += len(spec_run.steps)
+            per_step.append(float(np.mean(spec_run.steps)) if spec_run.steps else 1.0)
+            identical += spec_run.tokens == plain_run.tokens
+        decode_step = decode_seconds / len(prompts)
+        rows.append((label, float(np.mean(per_step)), verify_seconds / max(1, steps) / decode_step,
+                     (spec_tokens / spec_seconds) / (plain_tokens / plain_seconds),
+                     f"{identical}/{len(prompts)}" if rule is None else "sampled"))
+        print(f"{label}: done", flush=True)
+
+    print(f"\n{checkpoint}: block {block}; {len(prompts)} val prompts x {max_new_tokens} tokens; {device}, torch threads {torch.get_num_threads()}")
+    print(f"{'mode':28s} {'tokens/step':>11s} {'verify cost':>11s} {'speedup':>8s}  same as plain")
+    for label, tau, cost, speedup, same in rows:
+        print(f"{label:28s} {tau:11.3f} {cost:11.3f} {speedup:8.3f}  {same}")
+
+
+if __name__ == "__main__":
+    main()
