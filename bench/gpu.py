@@ -1,6 +1,6 @@
 """The GPU path in one run: the figures a lent GPU is for, printed as one table of ratios.
 
-    python bench/gpu.py                      # CUDA: the embedded SmolLM2 target, ~8 minutes on an H100/H200
+    python bench/gpu.py                      # CUDA: the embedded SmolLM2 target; sized for ~8 minutes on an H100/H200 (not yet run on one)
     python bench/gpu.py --dry-run            # CPU, toy sizes: every section runs (tests/test_device_paths.py)
 
 Needs torch, transformers, pyarrow, click, pandas and, for the embedded target, gguf and the
