@@ -20,43 +20,28 @@ from pathlib import Path
 
 import click
 
+from decoding_setup import decoding_options, load_decoding_setup
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @click.command()
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Default: data/eval/best.json's drafter.")
-@click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
-@click.option("--generated", type=click.Path(path_type=Path), default="data/generated", show_default=True)
-@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
-@click.option("--num-prompts", default=8, show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True)
+@decoding_options
 @click.option("--temperature", default=1.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-@click.option("--device", default="cpu", show_default=True)
-def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, temperature, seed, device):
+def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, temperature, seed):
     import numpy as np
     import torch
 
-    from dflash_pipeline.checkpoints import load_checkpoint
-    from dflash_pipeline.devices import bf16_by_default
     from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, verified_prefix
-    from dflash_pipeline.evaluate import val_prompts
     from dflash_pipeline.files import read_json
     from dflash_pipeline.sampling import Sampling
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.target import LayerTap, TargetInfo, load_target, load_target_head
 
-    target = TargetInfo.from_json(target_json)
-    checkpoint = checkpoint or Path(read_json(Path("data/eval/best.json"), missing="no data/eval/best.json: pass --checkpoint")["path"])
+    setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
+    checkpoint, drafter, head, model, tap = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.tap
+    prompts, eos_ids, feature_dtype = setup.prompts, setup.eos_ids, setup.val_set.manifest.feature_dtype
     metrics = Path("data/metrics/eval.json")
     chosen_k = read_json(metrics, missing="-").get("verify_tokens") if metrics.is_file() else None
-    drafter, _ = load_checkpoint(checkpoint, device=device)
-    feature_dtype = open_split(hidden / "val", expected_fingerprint=target.fingerprint).manifest.feature_dtype
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
-    model, _ = load_target(target, device=device)
-    tap = LayerTap(model, list(drafter.config.target_layer_ids))
-    prompts = val_prompts(generated / "val.parquet", num_prompts)
-    eos_ids = set(target.eos_token_ids)
     block = drafter.config.block_size
 
     lengths = [block - 1] + ([chosen_k] if chosen_k and chosen_k != block - 1 else [])

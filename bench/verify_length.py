@@ -11,24 +11,19 @@ acceptance, as `evaluate` does.
 """
 
 import os
-from pathlib import Path
 
 import click
+
+from decoding_setup import decoding_options, load_decoding_setup
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @click.command()
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None, help="Default: data/eval/best.json's drafter.")
-@click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
-@click.option("--generated", type=click.Path(path_type=Path), default="data/generated", show_default=True)
-@click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
-@click.option("--num-prompts", default=8, show_default=True)
-@click.option("--max-new-tokens", default=128, show_default=True)
-def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens):
+@decoding_options
+def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device):
     import torch
 
-    from dflash_pipeline.checkpoints import load_checkpoint
     from dflash_pipeline.config import load_params
     from dflash_pipeline.engine import (
         choose_verify_tokens,
@@ -39,25 +34,15 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
         summarize_end_to_end,
         verified_prefix,
     )
-    from dflash_pipeline.evaluate import val_prompts
-    from dflash_pipeline.files import read_json
     from dflash_pipeline.scoring import per_slot_acceptance, score_teacher_forced
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.target import LayerTap, TargetInfo, load_target, load_target_head
 
-    target = TargetInfo.from_json(target_json)
-    checkpoint = checkpoint or Path(read_json(Path("data/eval/best.json"), missing="no data/eval/best.json: pass --checkpoint")["path"])
-    drafter, _ = load_checkpoint(checkpoint)
-    val_set = open_split(hidden / "val", expected_fingerprint=target.fingerprint)
+    setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
+    checkpoint, drafter, head, model, tap, val_set = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.tap, setup.val_set
+    prompts, eos_ids = setup.prompts, setup.eos_ids
     config = load_params("params.yaml").evaluate
-    head = load_target_head(target, device="cpu", dtype=torch.float32)
     scores = score_teacher_forced(drafter, head, val_set, anchors_per_sequence=config.anchors_per_sequence,
                                   tokens_per_batch=config.tokens_per_batch, tree_budgets=[], seed=config.seed)
     _, conditional = per_slot_acceptance(scores)
-    model, _ = load_target(target)
-    tap = LayerTap(model, val_set.manifest.layer_ids)
-    prompts = val_prompts(generated / "val.parquet", num_prompts)
-    eos_ids = set(target.eos_token_ids)
     block = drafter.config.block_size
     propose = drafter_proposer(drafter, head)
 
