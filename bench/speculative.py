@@ -1,6 +1,7 @@
-"""Speculative decoding modes side by side: greedy chains and sampled chains under both rules.
+"""Speculative decoding modes side by side: greedy chains, greedy DDTrees, and sampled chains under both rules.
 
     python bench/speculative.py [--checkpoint data/checkpoints/step_001600] [--num-prompts 8] [--temperature 1.0]
+                                [--tree-budgets 4,8,16] [--device cuda]
 
 The chosen drafter (data/eval/best.json) decodes the same val prompts in every mode, each against
 plain decoding in the same mode (greedy, or sampling at T with the same seed), alternating which
@@ -8,11 +9,12 @@ goes first, in one process:
   chain T=0            greedy;
   chain T, "match"     the drafter's argmax against the target's own sample;
   chain T, "ratio"     speculative sampling with the drafter's q;
-each verifying all B-1 drafted tokens and, when `evaluate` chose fewer (data/metrics/eval.json's
+  tree k=N, T=0        the DDTree of the N most probable drafted prefixes, verified in one forward;
+each chain verifying all B-1 drafted tokens and, when `evaluate` chose fewer (data/metrics/eval.json's
 verify_tokens), that k too.
 Per mode: tokens per step, the verify forward's cost in decode steps, speedup, and (at T = 0)
 whether every answer equals plain greedy decoding. At T > 0 answers are samples: the test of the
-distribution is tests/test_sampling.py. Tree decoding is not built yet (issue 13).
+distribution is tests/test_sampling.py.
 """
 
 import os
@@ -29,11 +31,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @decoding_options
 @click.option("--temperature", default=1.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, temperature, seed):
+@click.option("--tree-budgets", default="4,8,16", show_default=True)
+def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, temperature, seed, tree_budgets):
     import numpy as np
     import torch
 
-    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, verified_prefix
+    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
     from dflash_pipeline.files import read_json
     from dflash_pipeline.sampling import Sampling
 
@@ -45,17 +48,19 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     block = drafter.config.block_size
 
     lengths = [block - 1] + ([chosen_k] if chosen_k and chosen_k != block - 1 else [])
-    modes = [(f"chain T=0, k={k}", None, k) for k in lengths]
-    modes += [(f"chain T={temperature:g}, {rule}, k={k}", rule, k) for rule in ("match", "ratio") for k in lengths]
+    modes = [(f"chain T=0, k={k}", None, k, None) for k in lengths]
+    modes += [(f"tree k={budget}, T=0", None, None, budget) for budget in (int(b) for b in tree_budgets.split(",") if b.strip())]
+    modes += [(f"chain T={temperature:g}, {rule}, k={k}", rule, k, None) for rule in ("match", "ratio") for k in lengths]
 
     greedy_decode(model, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids)  # warm-up
     rows = []
-    for label, rule, verify in modes:
+    for label, rule, verify, budget in modes:
         sampling = Sampling(temperature, rule=rule, seed=seed) if rule else None
         plain_tokens = plain_seconds = spec_tokens = spec_seconds = verify_seconds = decode_seconds = 0.0
         steps, identical, per_step = 0, 0, []
         for number, (_, prompt_ids) in enumerate(prompts):
-            propose = verified_prefix(drafter_proposer(drafter, head, sampling), verify)
+            propose = (tree_proposer(drafter, head, budget) if budget else
+                       verified_prefix(drafter_proposer(drafter, head, sampling), verify))
             runs = {}
 
             def plain():

@@ -25,15 +25,7 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import torch
 
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.engine import (
-        choose_verify_tokens,
-        drafter_proposer,
-        end_to_end,
-        forward_costs,
-        speculative_decode,
-        summarize_end_to_end,
-        verified_prefix,
-    )
+    from dflash_pipeline.engine import drafter_proposer, end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end, verified_prefix
     from dflash_pipeline.scoring import per_slot_acceptance, score_teacher_forced
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
@@ -46,12 +38,10 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     block = drafter.config.block_size
     propose = drafter_proposer(drafter, head)
 
-    seconds = forward_costs(model, prompts[0][1], list(range(1, block + 1)))
-    costs = {n: value / seconds[1] for n, value in seconds.items()}
-    trial = speculative_decode(model, tap, drafter, propose, prompts[0][1], max_new_tokens=16, eos_ids=eos_ids,
-                               feature_dtype=val_set.manifest.feature_dtype)
-    draft_steps = trial.draft_seconds / max(1, len(trial.steps)) / seconds[1]
-    chosen, rates = choose_verify_tokens(conditional, costs, draft_steps)
+    costs = measure_forward_costs(model, prompts[0][1], block)
+    plan = plan_verify_tokens(model, tap, drafter, propose, prompts[0][1], conditional, eos_ids=eos_ids,
+                              feature_dtype=val_set.manifest.feature_dtype, costs=costs)  # exactly as evaluate chooses
+    chosen, rates, draft_steps = plan.tokens, plan.expected_rates, plan.draft_cost_steps
 
     candidates = [(f"k={k}", drafter, verified_prefix(propose, k)) for k in range(1, block)]
     results = end_to_end(model, tap, candidates, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,

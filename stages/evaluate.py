@@ -42,6 +42,12 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
     click.echo(f"evaluate: chosen {metrics['chosen']} (teacher-forced tau {metrics['tau']} +- {metrics['tau_ci95']}); "
                f"end-to-end tau {metrics.get('e2e_tau')}, speedup {metrics.get('speedup')} (break-even tau on this machine "
                f"{metrics.get('break_even_tau')}), lossless rate {metrics.get('lossless_rate')}")
+    trees = [f"{b}: tau {metrics[f'e2e_tree{b}_tau']}, speedup {metrics[f'tree{b}_speedup']}, verify cost "
+             f"{metrics[f'tree{b}_verify_cost_steps']} steps" for b in config.tree_budgets if f"e2e_tree{b}_tau" in metrics]
+    sampled = [f"{key[len('e2e_tau_'):]}: tau {value}, speedup {metrics[key.replace('e2e_tau_', 'speedup_')]}"
+               for key, value in metrics.items() if key.startswith("e2e_tau_t") and not key.endswith("_ci95")]
+    if trees or sampled:
+        click.echo("evaluate: trees at budget " + "; ".join(trees) + (" | sampled at " + "; ".join(sampled) if sampled else ""))
 
 
 if __name__ == "__main__":

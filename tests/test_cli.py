@@ -249,6 +249,8 @@ def test_evaluate_with_a_model_folder_target_and_val_prompts_decodes_losslessly(
     values = dict(zip(header.split(), row.replace(" *", "").split()))
     assert values["name"] == "step_000004" and float(values["lossless_rate"]) == 1.0 and float(values["e2e_tau"]) >= 1.0
     assert "NOT LOSSLESS" not in result.stdout
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny.model_dir, "--shards", tiny.hidden, "--temperatures", "1,x"),
+                          "--temperatures")
 
 
 def test_evaluate_bad_input_is_one_line(tiny, tiny_qwen3_dir, tmp_path):
@@ -328,6 +330,12 @@ def test_generate_streams_the_answer_and_at_t0_equals_plain_decoding(tiny, tiny_
         lines = result.stdout.strip().splitlines()
         assert re.match(r"speculative \(greedy\): 24 tokens, [\d.]+ tokens per step, [\d.]+ tokens/s", lines[-2]), lines
         assert lines[-1].startswith("plain (greedy): 24 tokens") and lines[-1].endswith("identical answers"), lines
+    tree = invoke("generate", "Explain recursion.", "--target", tiny.target_json, "--drafter", tiny.export, "--max-new-tokens", 24,
+                  "--tree-budget", 6, "--compare")
+    assert tree.exit_code == 0, tree.output
+    assert "speculative (greedy, tree of 6): 24 tokens" in tree.stdout and tree.stdout.strip().endswith("identical answers"), tree.stdout
+    assert_one_line_error(invoke("generate", "hi", "--target", tiny.target_json, "--drafter", tiny.export, "--tree-budget", 4,
+                                 "--temperature", 1), "--tree-budget")
     sampled = [invoke("generate", "Explain recursion.", "--target", tiny.target_json, "--drafter", tiny.checkpoint, "--max-new-tokens", 16,
                       "--temperature", "0.8", "--rule", rule, "--seed", 3).stdout for rule in ("ratio", "ratio", "match")]
     assert sampled[0].splitlines()[:-1] == sampled[1].splitlines()[:-1]  # the same seed samples the same answer

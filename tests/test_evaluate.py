@@ -404,7 +404,7 @@ class ScriptedTarget(torch.nn.Module):
         self.config = LlamaConfig(vocab_size=max(script) + 1, hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
         self.script, self.feature_width, self.features = script, feature_width, None
 
-    def forward(self, input_ids, position_ids=None, cache=None, use_cache=True, logits_to_keep=0):
+    def forward(self, input_ids, position_ids=None, cache=None, use_cache=True, logits_to_keep=0, attention_mask=None):
         from types import SimpleNamespace
 
         positions = (position_ids if position_ids is not None else torch.arange(input_ids.shape[1])[None])[0].tolist()

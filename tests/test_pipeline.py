@@ -119,6 +119,13 @@ def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(tiny_p
     baseline_eval = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
     assert {"tau", "tau_ci95", "ddtree8_streak", "e2e_tau", "speedup", "lossless_rate", "break_even_tau"} <= set(baseline_eval)
     assert baseline_eval["lossless_rate"] == 1.0
+    # greedy trees at every budget (lossless too) and a sampled chain at T = 1, end to end
+    decoding_modes = {"acceptance_rate", "e2e_tau_t1", "speedup_t1", "acceptance_t1"}
+    decoding_modes |= {f"{key}{b}_{what}" for b in (4, 8, 16) for key, what in (("e2e_tree", "tau"), ("tree", "speedup"), ("tree", "verify_cost_steps"))}
+    assert decoding_modes <= set(baseline_eval)
+    assert all(baseline_eval[f"tree{b}_lossless_rate"] == 1.0 for b in (4, 8, 16))
+    shown = json.loads(dvc(repo, "metrics", "show", "--json").stdout)
+    assert decoding_modes <= set(next(iter(shown.values()))["data"]["data/metrics/eval.json"]["data"])
     assert (repo / "data" / "export" / "drafter" / "config.json").is_file()
 
     experiment = dvc(repo, "exp", "run", "-S", "train.lr=0.01", "-S", "evaluate.anchors_per_sequence=6")

@@ -123,6 +123,16 @@ def parse_tree_budgets(ctx, param, value: str) -> list[int]:
     return budgets
 
 
+def parse_temperatures(value: str) -> list[float]:
+    try:
+        temperatures = [float(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers, e.g. 0,1") from None
+    if any(t < 0 for t in temperatures):
+        raise click.BadParameter(f"{value!r}: every temperature must be >= 0")
+    return temperatures
+
+
 # ----------------------------------------------------------------------------- evaluate
 
 
@@ -139,6 +149,9 @@ def parse_tree_budgets(ctx, param, value: str) -> list[int]:
               help="Teacher-forced blocks per val sequence (0: every anchor).")
 @click.option("--tree-budgets", callback=parse_tree_budgets, default=",".join(map(str, DEFAULTS.tree_budgets)), show_default=True,
               help="DDTree node budgets, comma-separated.")
+@click.option("--temperatures", callback=lambda context, option, value: parse_temperatures(value),
+              default=",".join(f"{t:g}" for t in DEFAULTS.temperatures), show_default=True,
+              help="End-to-end sampling temperatures (0: greedy, always run), comma-separated.")
 @click.option("--e2e-prompts", type=click.IntRange(min=0), default=DEFAULTS.num_prompts, show_default=True,
               help="Val prompts decoded end to end (0 skips it).")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=DEFAULTS.max_new_tokens, show_default=True,
@@ -152,8 +165,8 @@ def parse_tree_budgets(ctx, param, value: str) -> list[int]:
                    "eval.json, plots/).")
 @click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
 @one_line_errors
-def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budgets, e2e_prompts, max_new_tokens, tokens_per_batch,
-             seed, out_dir, device):
+def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budgets, temperatures, e2e_prompts, max_new_tokens,
+             tokens_per_batch, seed, out_dir, device):
     """Score drafters side by side on one target's captured val shards, without params.yaml.
 
     Each DRAFTER is a training checkpoint folder (step_NNNNNN, from one run) or a folder in the
@@ -177,7 +190,7 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
     checkpoints = list(dict.fromkeys(folder.resolve() for folder, kind in kinds.items() if kind == "checkpoint"))
     baselines = list(dict.fromkeys(folder.resolve() for folder, kind in kinds.items() if kind == "drafter"))
     config = replace(DEFAULTS, baselines=[str(b) for b in baselines], anchors_per_sequence=anchors,
-                     tokens_per_batch=tokens_per_batch, tree_budgets=tree_budgets, num_prompts=e2e_prompts,
+                     tokens_per_batch=tokens_per_batch, tree_budgets=tree_budgets, temperatures=temperatures, num_prompts=e2e_prompts,
                      max_new_tokens=max_new_tokens, seed=seed)
     config.validate("command line")
     capture_output = not (shards_dir / "manifest.json").is_file() and (shards_dir / "val" / "manifest.json").is_file()
@@ -431,10 +444,13 @@ def export(checkpoint, out, dtype):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--verify-tokens", type=click.IntRange(min=1), default=None, help="Drafted tokens verified per step (default: all B-1).")
+@click.option("--tree-budget", type=click.IntRange(min=1), default=None,
+              help="Verify a DDTree of this many drafted nodes per step instead of a chain (greedy only).")
 @click.option("--compare", is_flag=True, help="Also decode without the drafter and report both.")
 @click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
 @one_line_errors
-def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, seed, max_new_tokens, verify_tokens, compare, device):
+def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, seed, max_new_tokens, verify_tokens, tree_budget, compare,
+             device):
     """Answer PROMPT (one user turn, in the target's chat template) with the drafter, streaming the
     text, then one line: tokens, tokens per step, tokens/s. --compare adds plain decoding of the
     same prompt; at T = 0 the two answers must be identical.
@@ -447,13 +463,15 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     import torch
 
     from dflash_pipeline.devices import bf16_by_default
-    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, verified_prefix
+    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
     from dflash_pipeline.evaluate import load_candidates
     from dflash_pipeline.generate import render_prompt
     from dflash_pipeline.prompts import Prompt
     from dflash_pipeline.sampling import Sampling
     from dflash_pipeline.target import LayerTap, load_target, load_target_head
 
+    if tree_budget is not None and (temperature > 0 or verify_tokens is not None):
+        raise PipelineError("--tree-budget: tree verification is greedy and verifies the whole tree (drop --temperature / --verify-tokens)")
     device = device or default_device()
     target = target_info(target_path)
     kind = folder_kind(drafter_dir)
@@ -468,7 +486,7 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     tap = LayerTap(model, list(drafter.config.target_layer_ids))
     prompt_ids = render_prompt(tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
                                system_prompt=None, enable_thinking=False)
-    propose = drafter_proposer(drafter, head, sampling)
+    propose = drafter_proposer(drafter, head, sampling) if tree_budget is None else tree_proposer(drafter, head, tree_budget)
     if verify_tokens is not None:
         propose = verified_prefix(propose, min(verify_tokens, drafter.config.block_size - 1))
     eos_ids = set(target.eos_token_ids)
@@ -485,11 +503,12 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
                              sampling=sampling, on_tokens=stream)
     click.echo()
     steps = sum(run.steps) / len(run.steps) if run.steps else 1.0
-    mode = "greedy" if sampling is None else f"T={temperature}, {rule} rule"
+    mode = ("greedy" if tree_budget is None else f"greedy, tree of {tree_budget}") if sampling is None else f"T={temperature}, {rule} rule"
     click.echo(f"speculative ({mode}): {len(run.tokens)} tokens, {steps:.2f} tokens per step, {len(run.tokens) / run.seconds:.1f} tokens/s")
     if compare:
         plain = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling)
         rate = len(plain.tokens) / plain.seconds
+        mode = "greedy" if sampling is None else mode
         same = "identical answers" if plain.tokens == run.tokens else (
             "different answers: NOT LOSSLESS" if sampling is None else "different samples (expected at T > 0: same distribution)")
         click.echo(f"plain ({mode}): {len(plain.tokens)} tokens, {rate:.1f} tokens/s; speedup {len(run.tokens) / run.seconds / rate:.2f}; {same}")

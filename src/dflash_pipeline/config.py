@@ -184,10 +184,22 @@ class EvaluateConfig:
     # End-to-end speculative decoding: val prompts and answer length (0 prompts skips it).
     num_prompts: int = 8
     max_new_tokens: int = 128
+    # Drafted tokens a chain step verifies: null = the length that pays best on this machine
+    # (from the target's forward costs measured at evaluate time), else 1..B-1.
+    verify_tokens: int | None = None
+    # Sampling temperatures decoded end to end besides greedy (keys e2e_tau_t1, speedup_t1, ... for
+    # 1.0; e2e_tau_t0_6 for 0.6); 0 stands for the greedy run, which always runs. [] = greedy only.
+    temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0, 1.0])
+    # Acceptance rule at T > 0: "ratio" (speculative sampling: draw from q, accept with p/q) or
+    # "match" (the drafter's argmax, accepted while it equals the target's own sample).
+    sampling_rule: str = "ratio"
     seed: int = 0
 
     def validate(self, source: str) -> None:
         checks = [
+            ("verify_tokens", self.verify_tokens is None or self.verify_tokens >= 1, "must be null or >= 1"),
+            ("temperatures", all(t >= 0 for t in self.temperatures), "must hold temperatures >= 0"),
+            ("sampling_rule", self.sampling_rule in ("ratio", "match"), "must be 'ratio' or 'match'"),
             ("checkpoints", self.checkpoints in ("final", "all") or isinstance(self.checkpoints, list), "must be 'final', 'all' or a list of steps"),
             ("anchors_per_sequence", self.anchors_per_sequence >= 0, "must be >= 0"),
             ("tokens_per_batch", self.tokens_per_batch >= 1, "must be >= 1"),

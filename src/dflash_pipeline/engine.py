@@ -1,8 +1,11 @@
 """The decoding engine: plain greedy and lossless speculative decoding with the real target.
 
     greedy_decode       the target alone, with its KV cache: the reference output and timing
-    speculative_decode  draft B-1 tokens, verify them in one target forward, commit the matching
-                        prefix and the target's bonus token; the output equals greedy decoding
+    speculative_decode  draft B-1 tokens (a chain) or a DDTree of them, verify them in one target
+                        forward, commit the matching prefix (the longest agreeing tree path) and
+                        the target's bonus token; the output equals greedy decoding
+    verify_tree         one forward over every node of a draft tree under the tree mask, the
+                        target's KV cache kept to exactly the accepted path
     end_to_end          both on the same prompts, alternating which goes first, and
     summarize_end_to_end lossless rate, τ per step, speedup, time split and break-even τ
 
@@ -22,6 +25,7 @@ from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.stats import mean_ci95
 from dflash_pipeline.target import TargetHead
+from dflash_pipeline.trees import DraftTree, build_draft_tree, ranked_candidates, tree_attention_mask, tree_positions
 
 # ----------------------------------------------------------------------------- decoding
 
@@ -41,6 +45,7 @@ class DecodeRun:
     steps: list[int] = field(default_factory=list)  # tau of each speculative step (accepted + bonus)
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
+    drafted: int = 0  # drafted tokens verified (chain tokens or tree nodes), over all steps
 
 
 @torch.inference_mode()
@@ -118,6 +123,49 @@ def drafter_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Samplin
     return propose
 
 
+def tree_proposer(drafter: DFlashDrafter, head: TargetHead, budget: int):
+    """The proposal function of tree decoding (T = 0): the DDTree of the `budget` most probable
+    drafted prefixes of the block, from the drafter's per-slot distributions (`trees`)."""
+
+    def propose(cache: DraftCache, anchor: int) -> DraftTree:
+        logprobs, columns = ranked_candidates(draft_block(drafter, head, cache, anchor), budget)
+        return build_draft_tree(logprobs.double().cpu().tolist(), drafter.vocab_tokens(columns).cpu().tolist(), budget)
+
+    return propose
+
+
+def keep_path(cache, start: int, path: list[int]) -> None:
+    """After a tree verify forward: of the cache entries from `start` (node 0 onward), keep the
+    accepted path's nodes, in order, and drop the rest (siblings, rejected branches)."""
+    if path != list(range(len(path))):  # a prefix of the node order is already in place
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is None:  # never written (a stand-in target in the tests)
+                continue
+            if getattr(layer, "is_sliding", False):
+                raise ValueError("tree verification needs a full-attention KV cache (this target has sliding-window layers)")
+            index = torch.tensor([start + node for node in path], device=layer.keys.device)
+            layer.keys[..., start : start + len(path), :] = layer.keys[..., index, :]  # the gather copies first: overlap is safe
+            layer.values[..., start : start + len(path), :] = layer.values[..., index, :]
+    _crop(cache, start + len(path))
+
+
+def verify_tree(model, cache, tree: DraftTree, anchor: int, position: int) -> tuple[list[int], int]:
+    """Verify every node of `tree` in ONE target forward: input [anchor, nodes...], each node at
+    position anchor + depth + 1, under `trees.tree_attention_mask` (a node sees the cache, the
+    anchor and its ancestors only). Walks the target's argmax from the anchor down the tree and
+    returns (accepted nodes, the target's bonus token). The cache (`position` entries before the
+    call, the anchor at `position`) then holds exactly the prefix, the anchor and the accepted path.
+    """
+    parameter = next(model.parameters())
+    out = model(input_ids=torch.tensor([[anchor] + tree.tokens], device=parameter.device),
+                position_ids=torch.tensor([tree_positions(tree, position)], device=parameter.device),
+                attention_mask=tree_attention_mask(tree, position, parameter.dtype, parameter.device), cache=cache, use_cache=True)
+    choice = out.logits[0].argmax(-1).tolist()  # the target's token after the anchor (0) and after each node (1 + node)
+    path, bonus = tree.walk(lambda node: choice[node + 1])
+    keep_path(cache, position + 1, path)
+    return path, bonus
+
+
 @torch.inference_mode()
 def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
                        feature_dtype: str = "bf16", bf16: bool | None = None, sampling: Sampling | None = None,
@@ -125,8 +173,9 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     """Lossless speculative decoding of one prompt: greedy at T = 0, or sampled with `sampling`.
 
     Loop: the drafter proposes up to B-1 tokens after the anchor (the last committed token; fewer
-    when `propose` is cut to a shorter verify length, `verified_prefix`); the target verifies
-    [anchor, proposal] in one forward; the matching prefix plus the target's own next
+    when `propose` is cut to a shorter verify length, `verified_prefix`), or a `DraftTree`
+    (`tree_proposer`); the target verifies [anchor, proposal] in one forward (`verify_tree` for a
+    tree); the matching prefix (the longest agreeing tree path) plus the target's own next
     token (the bonus) are committed; the target KV cache is cropped to the committed length and
     the drafter's context cache is extended with the committed positions' features only.
     `tap` is the capture stage's LayerTap on `model`, so features come from the same layers as
@@ -165,24 +214,35 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
             proposal, q = proposal.tokens, proposal.q
         synchronize(device)
         drafted = time.perf_counter()
-        out = model(input_ids=torch.tensor([[anchor] + proposal], device=device),
-                    position_ids=torch.arange(position, position + len(proposal) + 1, device=device)[None], cache=cache, use_cache=True)
-        if sampling is None:
-            choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
-            accepted = 0
-            while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
-                accepted += 1
-            bonus = choice[accepted]
+        if isinstance(proposal, DraftTree):
+            if sampling is not None:
+                raise ValueError("tree verification is lossless at T = 0 only: sample with a chain")
+            path, bonus = verify_tree(model, cache, proposal, anchor, position)
+            accepted_tokens, feature_rows = [proposal.tokens[node] for node in path], [0] + [1 + node for node in path]
         else:
-            accepted, bonus = verify_chain(sampling.probs(out.logits[0]), proposal, q, rule=sampling.rule, generator=generator)
-        _crop(cache, position + accepted + 1)
+            out = model(input_ids=torch.tensor([[anchor] + proposal], device=device),
+                        position_ids=torch.arange(position, position + len(proposal) + 1, device=device)[None], cache=cache, use_cache=True)
+            if sampling is None:
+                choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
+                accepted = 0
+                while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
+                    accepted += 1
+                bonus = choice[accepted]
+            else:
+                accepted, bonus = verify_chain(sampling.probs(out.logits[0]), proposal, q, rule=sampling.rule, generator=generator)
+            _crop(cache, position + accepted + 1)
+            accepted_tokens, feature_rows = proposal[:accepted], list(range(accepted + 1))
+        accepted = len(accepted_tokens)
+        run.drafted += len(proposal)
         synchronize(device)
         verified = time.perf_counter()
         with autocast(device, bf16):
-            draft_cache.extend(as_stored(tap.features()[0, : accepted + 1], feature_dtype).to(drafter.fc.weight.device))
+            features = tap.features()[0]
+            rows = torch.tensor(feature_rows, device=features.device)
+            draft_cache.extend(as_stored(features.index_select(0, rows), feature_dtype).to(drafter.fc.weight.device))
         synchronize(device)
         extended = time.perf_counter()
-        committed = proposal[:accepted] + [bonus]
+        committed = accepted_tokens + [bonus]
         kept = []
         for token in committed:
             kept.append(token)
@@ -253,6 +313,38 @@ def choose_verify_tokens(conditional_acceptance: list[float], verify_steps: dict
     return int(np.argmax(rates)) + 1, rates
 
 
+@dataclass
+class VerifyPlan:
+    """How many drafted tokens a chain step verifies, and the measurements behind the choice."""
+
+    tokens: int
+    forward_cost_steps: dict[int, float]  # target forward of n new tokens, in decode steps
+    draft_cost_steps: float  # one drafting step, in decode steps
+    expected_rates: list[float]  # expected committed tokens per unit of cost for k = 1..B-1
+
+    def as_dict(self) -> dict:
+        return {"verify_tokens": self.tokens, "forward_cost_steps": [round(self.forward_cost_steps[n], 3) for n in sorted(self.forward_cost_steps)],
+                "expected_tokens_per_step_cost": [round(r, 4) for r in self.expected_rates]}
+
+
+def measure_forward_costs(model, prompt_ids: list[int], longest: int) -> dict[int, float]:
+    """The target's forward of 1..longest new tokens on this machine, in decode steps (`forward_costs`)."""
+    seconds = forward_costs(model, prompt_ids, list(range(1, longest + 1)))
+    return {n: value / seconds[1] for n, value in seconds.items()}
+
+
+def plan_verify_tokens(model, tap, drafter: DFlashDrafter, propose, prompt_ids: list[int], conditional_acceptance: list[float], *,
+                       eos_ids: set[int], feature_dtype: str, costs: dict[int, float]) -> VerifyPlan:
+    """The verify length that pays best for this drafter here: its drafting cost from a 16-token
+    trial decode of `prompt_ids`, the target's `costs` (`measure_forward_costs`) and its
+    teacher-forced conditional acceptance per slot, through `choose_verify_tokens`."""
+    trial = speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=16, eos_ids=eos_ids, feature_dtype=feature_dtype)
+    decode_step = forward_costs(model, prompt_ids, [1], repeats=3)[1]
+    draft_steps = trial.draft_seconds / max(1, len(trial.steps)) / decode_step
+    tokens, rates = choose_verify_tokens(conditional_acceptance, costs, draft_steps)
+    return VerifyPlan(tokens=tokens, forward_cost_steps=costs, draft_cost_steps=draft_steps, expected_rates=rates)
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for position, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -285,9 +377,12 @@ class EndToEndPrompt:
 
 
 def end_to_end(model, tap, candidates: list[tuple[str, DFlashDrafter, object]], prompts: list[tuple[str, list[int]]], *, max_new_tokens: int,
-               eos_ids: set[int], feature_dtype: str, progress: bool = False, bf16: bool | None = None) -> list[EndToEndPrompt]:
-    """Plain greedy and speculative decoding of each prompt, alternating which goes first so
-    drift in machine speed (turbo, other load) falls on both sides alike."""
+               eos_ids: set[int], feature_dtype: str, progress: bool = False, bf16: bool | None = None,
+               sampling: Sampling | None = None) -> list[EndToEndPrompt]:
+    """Plain and speculative decoding of each prompt, alternating which goes first so drift in
+    machine speed (turbo, other load) falls on both sides alike. Greedy, or sampled with
+    `sampling` (then the candidates' proposers sample too, and prompt i's target draws come from
+    the seed + i, the same stream for plain and speculative decoding)."""
     if prompts:  # warm-up: first-call allocations and kernel selection are not part of either side
         greedy_decode(model, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids)
         for _, drafter, propose in candidates:
@@ -296,20 +391,22 @@ def end_to_end(model, tap, candidates: list[tuple[str, DFlashDrafter, object]], 
     results = []
     for number, (prompt_id, prompt_ids) in enumerate(progress_iter(prompts, desc="end-to-end", unit="prompt", disable=not progress)):
         runs: dict[str, DecodeRun] = {}
+        seeded = sampling.reseeded(sampling.seed + number) if sampling else None
 
         def plain():
-            runs["__plain__"] = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+            runs["__plain__"] = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=seeded)
 
         def speculative():
             for name, drafter, propose in candidates:
                 runs[name] = speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=max_new_tokens,
-                                                eos_ids=eos_ids, feature_dtype=feature_dtype, bf16=bf16)
+                                                eos_ids=eos_ids, feature_dtype=feature_dtype, bf16=bf16, sampling=seeded)
 
         for part in ((plain, speculative) if number % 2 == 0 else (speculative, plain)):
             part()
         plain_run = runs.pop("__plain__")
-        near_ties = {name: is_near_tie(model, prompt_ids, plain_run.tokens, run.tokens, position)
-                     for name, run in runs.items() if (position := first_difference(plain_run.tokens, run.tokens)) is not None}
+        near_ties = {} if sampling else {  # sampled answers part by design
+            name: is_near_tie(model, prompt_ids, plain_run.tokens, run.tokens, position)
+            for name, run in runs.items() if (position := first_difference(plain_run.tokens, run.tokens)) is not None}
         results.append(EndToEndPrompt(prompt_id=prompt_id, plain=plain_run, speculative=runs, near_ties=near_ties))
     return results
 
@@ -327,6 +424,7 @@ def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
     per_prompt_tau, plain_tokens, plain_seconds, spec_tokens, spec_seconds = [], 0, 0.0, 0, 0.0
     plain_decode_seconds, plain_decode_tokens = 0.0, 0
     steps = verify = draft = overhead = prefill = 0.0
+    accepted = drafted = 0
     for result in results:
         run, plain = result.speculative[name], result.plain
         difference = first_difference(run.tokens, plain.tokens)
@@ -342,6 +440,8 @@ def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
         spec_tokens += len(run.tokens)
         spec_seconds += run.seconds
         steps += len(run.steps)
+        accepted += sum(run.steps) - len(run.steps)
+        drafted += run.drafted
         verify += run.verify_seconds
         draft += run.draft_seconds
         prefill += run.prefill_seconds
@@ -357,6 +457,7 @@ def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
         "near_tie_mismatches": near_ties,  # of those, parting at a near-tie (`is_near_tie`): rounding, not a defect
         "e2e_tau": round(tau, 4),
         "e2e_tau_ci95": round(ci, 4),
+        "acceptance_rate": round(accepted / max(1, drafted), 4),  # of the drafted tokens (tree nodes) verified
         "plain_tokens_per_s": round(plain_rate, 2),
         "spec_tokens_per_s": round(spec_rate, 2),
         "speedup": round(spec_rate / plain_rate, 4) if plain_rate > 0 else None,

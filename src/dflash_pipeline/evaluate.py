@@ -6,9 +6,10 @@ Two measurements (definitions in `scoring` and `engine`, and in the README):
    τ, per-slot acceptance and DDTree streaks of thousands of blocks in seconds, with 95%
    intervals over prompts, split by prompt category, and each drafter's paired difference to the
    chosen one.
-2. End-to-end speculative decoding at T = 0 with the real target (`engine.end_to_end`): the output
-   must equal plain greedy decoding token for token; τ per step, tokens/s of both measured
-   alternately in one process, the time split and the break-even τ of this machine.
+2. End-to-end speculative decoding with the real target (`engine.end_to_end`): greedy chains and
+   greedy DDTrees (their output must equal plain greedy decoding token for token) and sampled
+   chains at each T > 0; τ per step, tokens/s of both measured alternately in one process, the
+   time split and the break-even τ of this machine.
 
 The best checkpoint is the one with the highest teacher-forced τ (not the lowest loss). This
 module picks and checks the candidates and runs the two measurements; `report` writes the files.
@@ -24,16 +25,17 @@ from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.devices import autocast, bf16_by_default
 from dflash_pipeline.engine import (
     EndToEndPrompt,
-    choose_verify_tokens,
     drafter_proposer,
     end_to_end,
-    forward_costs,
-    speculative_decode,
+    measure_forward_costs,
+    plan_verify_tokens,
     summarize_end_to_end,
+    tree_proposer,
     verified_prefix,
 )
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+from dflash_pipeline.sampling import Sampling
 from dflash_pipeline.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.serving import load_dflash_drafter
 from dflash_pipeline.shards import open_split
@@ -190,41 +192,75 @@ def score_candidates(candidates: list[Candidate], head, val_set, categories: lis
     return rows, blocks
 
 
+def temperature_suffix(temperature: float) -> str:
+    """The key suffix of a sampling temperature: 1.0 -> "t1", 0.6 -> "t0_6"."""
+    return "t" + f"{temperature:g}".replace(".", "_")
+
+
+def tree_keys(summary: dict, budget: int) -> dict:
+    """The flat keys of tree decoding at one node budget."""
+    return {f"e2e_tree{budget}_tau": summary["e2e_tau"], f"e2e_tree{budget}_tau_ci95": summary["e2e_tau_ci95"],
+            f"tree{budget}_speedup": summary["speedup"], f"tree{budget}_verify_cost_steps": summary["verify_cost_steps"],
+            f"tree{budget}_lossless_rate": summary["lossless_rate"], f"tree{budget}_near_tie_mismatches": summary["near_tie_mismatches"]}
+
+
+def temperature_keys(summary: dict, temperature: float) -> dict:
+    """The flat keys of sampled chain decoding at one temperature (no lossless check: samples part by design)."""
+    suffix = temperature_suffix(temperature)
+    return {f"e2e_tau_{suffix}": summary["e2e_tau"], f"e2e_tau_{suffix}_ci95": summary["e2e_tau_ci95"],
+            f"speedup_{suffix}": summary["speedup"], f"acceptance_{suffix}": summary["acceptance_rate"]}
+
+
 def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, target, layer_ids: list[int], feature_dtype: str,
                       generated_val: Path, config, device: str, acceptance: dict[str, list[float]] | None = None
                       ) -> tuple[dict[str, dict], list[EndToEndPrompt]]:
-    """Speculative decoding with each named drafter against plain greedy, on the real target.
+    """Speculative decoding with each named drafter against plain decoding, on the real target:
+    greedy chains, greedy DDTrees at every `config.tree_budgets` (lossless both), and sampled
+    chains at every T > 0 of `config.temperatures` under `config.sampling_rule`.
 
-    With `acceptance` (name -> the drafter's teacher-forced conditional acceptance per slot), each
-    drafter verifies the number of drafted tokens that pays best on this machine
-    (`engine.choose_verify_tokens`, from target forward costs measured here first); else all B-1.
+    A chain verifies `config.verify_tokens` drafted tokens, or else, with `acceptance` (name -> the
+    drafter's teacher-forced conditional acceptance per slot), the number that pays best on this
+    machine (`engine.plan_verify_tokens`); else all B-1.
     """
     model, _ = load_target(target, device=device)
     tap = LayerTap(model, layer_ids)
     prompts = val_prompts(generated_val, config.num_prompts)
+    eos_ids = set(target.eos_token_ids)
     by_name = {c.name: c for c in candidates}
-    runners, choices = [], {}
-    costs = None
-    if acceptance and prompts:
-        longest = max(by_name[name].drafter.config.block_size for name in names)
-        seconds = forward_costs(model, prompts[0][1], list(range(1, longest + 1)))
-        costs = {n: value / seconds[1] for n, value in seconds.items()}  # in decode steps
+    verify_tokens, plans = {}, {}
+    if config.verify_tokens is None and acceptance and prompts:
+        costs = measure_forward_costs(model, prompts[0][1], max(by_name[name].drafter.config.block_size for name in names))
+        for name in names:
+            drafter = by_name[name].drafter
+            plans[name] = plan_verify_tokens(model, tap, drafter, drafter_proposer(drafter, head), prompts[0][1], acceptance[name],
+                                             eos_ids=eos_ids, feature_dtype=feature_dtype, costs=costs).as_dict()
+            verify_tokens[name] = plans[name]["verify_tokens"]
     for name in names:
-        drafter = by_name[name].drafter
-        propose = drafter_proposer(drafter, head)
-        if costs is not None:
-            trial = speculative_decode(model, tap, drafter, propose, prompts[0][1], max_new_tokens=16, eos_ids=set(target.eos_token_ids),
-                                       feature_dtype=feature_dtype)
-            draft_steps = trial.draft_seconds / max(1, len(trial.steps)) / seconds[1]
-            tokens, rates = choose_verify_tokens(acceptance[name], costs, draft_steps)
-            choices[name] = {"verify_tokens": tokens, "forward_cost_steps": [round(costs[n], 3) for n in sorted(costs)],
-                             "expected_tokens_per_step_cost": [round(r, 4) for r in rates]}
-            propose = verified_prefix(propose, tokens)
-        runners.append((name, drafter, propose))
-    results = end_to_end(model, tap, runners, prompts, max_new_tokens=config.max_new_tokens, eos_ids=set(target.eos_token_ids),
-                         feature_dtype=feature_dtype, progress=True)
+        block = by_name[name].drafter.config.block_size
+        verify_tokens.setdefault(name, min(config.verify_tokens or block - 1, block - 1))
+        plans.setdefault(name, {"verify_tokens": verify_tokens[name]})
+
+    def chains(sampling=None):
+        return [(name, by_name[name].drafter, verified_prefix(drafter_proposer(by_name[name].drafter, head, sampling), verify_tokens[name]))
+                for name in names]
+
+    trees = [(f"{name}/tree{budget}", by_name[name].drafter, tree_proposer(by_name[name].drafter, head, budget))
+             for name in names for budget in config.tree_budgets]
+    common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, feature_dtype=feature_dtype, progress=True)
+    results = end_to_end(model, tap, chains() + trees, prompts, **common)
+    summaries = {name: {**summarize_end_to_end(results, name), **plans[name]} for name in names}
+    for name in names:
+        for budget in config.tree_budgets:
+            tree = summarize_end_to_end(results, f"{name}/tree{budget}")
+            summaries[name].update(tree_keys(tree, budget))
+            summaries[name]["mismatches"] += [f"{mismatch} (tree {budget})" for mismatch in tree["mismatches"]]
+    for temperature in [t for t in config.temperatures if t > 0]:
+        sampling = Sampling(temperature, rule=config.sampling_rule, seed=config.seed)
+        sampled = end_to_end(model, tap, chains(sampling), prompts, sampling=sampling, **common)
+        for name in names:
+            summaries[name].update(temperature_keys(summarize_end_to_end(sampled, name), temperature))
     tap.remove()
-    return {name: {**summarize_end_to_end(results, name), **choices.get(name, {})} for name in names}, results
+    return summaries, results
 
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,

@@ -96,6 +96,10 @@ def flat_metrics(result, tree_budgets: list[int]) -> dict:
             "spec_tokens_per_s", "break_even_tau", "verify_tokens", "verify_cost_steps", "draft_cost_steps", "decode_step_ms", "e2e_prompts",
             "time_prefill", "time_verify", "time_draft", "time_overhead"]
     keep += [f"ddtree{b}_streak" for b in tree_budgets] + [f"ddtree{b}_streak_ci95" for b in tree_budgets]
+    keep += ["acceptance_rate"] + [f"{prefix}{b}_{key}" for b in tree_budgets for prefix, key in
+                                   (("e2e_tree", "tau"), ("e2e_tree", "tau_ci95"), ("tree", "speedup"), ("tree", "verify_cost_steps"),
+                                    ("tree", "lossless_rate"), ("tree", "near_tie_mismatches"))]
+    keep += sorted(k for k in best if k.startswith(("e2e_tau_t", "speedup_t", "acceptance_t")))  # per sampling temperature
     categories = sorted(set(result.categories))
     keep += sorted([k for k in best if k.startswith("slot")] + [f"tau_{c}" for c in categories] + [f"tau_{c}_ci95" for c in categories])
     metrics = {key: best[key] for key in keep if key in best}

@@ -90,5 +90,8 @@ class Sampling:
         """Sampling distributions of logits [..., V], on the CPU (where the seeded draws happen)."""
         return sampling_probs(logits.float().cpu(), self.temperature, top_k=self.top_k, top_p=self.top_p)
 
+    def reseeded(self, seed: int) -> "Sampling":
+        return Sampling(self.temperature, rule=self.rule, top_k=self.top_k, top_p=self.top_p, seed=seed)
+
     def generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed + offset)

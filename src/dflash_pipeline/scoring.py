@@ -19,7 +19,6 @@ reference through the decoding cache, obvious by inspection, that the tests comp
 Train's periodic τ and the `evaluate` stage both call `score_teacher_forced`.
 """
 
-import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +30,7 @@ from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.stats import mean_ci95_over_prompts, paired_difference as paired_prompt_difference
 from dflash_pipeline.target import TargetHead
+from dflash_pipeline.trees import build_draft_tree, ranked_candidates
 
 EVERY_ANCHOR = 1 << 30
 
@@ -45,48 +45,13 @@ def acceptance_length(correct: np.ndarray) -> np.ndarray:
 
 
 def ddtree_streak(logprobs, token_ids, reference: list[int], budget: int) -> int:
-    """DDTree-k streak of one block.
+    """DDTree-k streak of one block: how many nodes of the tree of the `budget` most probable
+    drafted prefixes (`trees.build_draft_tree`, the tree that tree decoding verifies) the reference
+    walk matches from the root: 0..min(budget, len(reference)).
 
-    logprobs / token_ids [D][K]: each drafted depth's K best tokens in the tie rule's order below.
-    The tree holds the `budget` most probable prefixes, grown best-first over the summed log-probs
-    (each pop adds a node, then offers its next sibling and its first child). The streak is how many
-    tree nodes the reference walk matches from the root: 0..min(budget, len(reference)).
-
-    Ties follow the DDTree reference (liranringel/ddtree, `build_ddtree_tree`), made deterministic:
-    - candidates: each depth's vocabulary ordered by fp32 logit descending, then token id ascending
-      (also for which tokens tied at the K-th place make the cut); a token's rank is its place there;
-    - a prefix's score is the sum of its fp32 log-probs in float64 (such sums are exact in practice,
-      so the reference's subtract-and-add sibling scores are the same numbers);
-    - of equal scores, the prefix whose rank path (r1, r2, ...) is lexicographically smaller pops
-      first (the reference's heap key is (-score, rank path); its torch.topk leaves tied ranks
-      unspecified, which the token-id order fixes).
-    Equivalently: the tree of budget k is the first k prefixes in (score desc, rank path asc) order,
-    so the top-K candidates serve every budget <= K.
+    logprobs / token_ids [D][K]: each drafted depth's K best tokens in `trees.ranked_candidates`' order.
     """
-    depth, width = len(logprobs), len(logprobs[0]) if len(logprobs) else 0
-    if budget <= 0 or depth == 0:
-        return 0
-    children: dict[int, dict[int, int]] = {}
-    # heap entries: (-score, rank path, parent node, parent score); the path's length - 1 is the depth
-    heap = [(-logprobs[0][0], (0,), -1, 0.0)]
-    nodes = 0
-    while heap and nodes < budget:
-        negative, path, parent, parent_score = heapq.heappop(heap)
-        d, rank = len(path) - 1, path[-1]
-        node = nodes
-        children.setdefault(parent, {})[token_ids[d][rank]] = node
-        nodes += 1
-        if rank + 1 < width:
-            heapq.heappush(heap, (-(parent_score + logprobs[d][rank + 1]), path[:-1] + (rank + 1,), parent, parent_score))
-        if d + 1 < depth:
-            heapq.heappush(heap, (negative - logprobs[d + 1][0], path + (0,), node, -negative))
-    streak, node = 0, -1
-    for token in reference:
-        node = children.get(node, {}).get(token)
-        if node is None:
-            break
-        streak += 1
-    return streak
+    return build_draft_tree(logprobs, token_ids, budget).streak(reference)
 
 
 @dataclass
@@ -180,37 +145,15 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
 def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int]):
     """logits [n, B-1, V] (overwritten when float32) -> correct [n, B-1] and streaks {budget: [n]}.
 
-    The log-sum-exp the tree needs is taken in place: a fresh vocabulary-sized tensor per chunk
-    costs more in page faults than the arithmetic. One block (the reference loop) walks the
-    obvious scalar tree; many blocks take the lockstep `ddtree_streaks`. The tree's candidates are
-    each slot's top max(budgets) tokens in `ddtree_streak`'s order (logit descending, then token id
-    ascending, also at the cut), which torch.topk leaves unspecified among tied logits.
+    One block (the reference loop) walks the obvious scalar tree; many blocks take the lockstep
+    `ddtree_streaks`. The tree's candidates are each slot's top max(budgets) tokens in
+    `trees.ranked_candidates`' order (which takes the log-sum-exp in place).
     """
     if not budgets:
         return ((logits.argmax(-1).cpu() == labels) & valid).numpy(), {}
-    logits = logits.float()  # a bf16 head's logits (GPU) are scored in fp32, in a copy
-    vocab = logits.shape[-1]
-    width = min(max(budgets), vocab)
-    values, ids = logits.topk(min(width + 1, vocab), dim=-1)
-    if width < vocab:  # the (width+1)-th value shows whether a tie straddles the cut
-        cut = values[..., width - 1]
-        straddles = values[..., width] == cut
-        values, ids = values[..., :width], ids[..., :width]
-        if straddles.any():  # there the tokens equal to the cut value with the lowest ids make it
-            at_cut = (values == cut[..., None]) & straddles[..., None]  # the tail of a straddling row
-            tied = logits == torch.where(straddles, cut, torch.nan)[..., None]  # bool [.., V]: NaN matches nothing
-            row, token = tied.flatten(0, -2).nonzero(as_tuple=True)  # row-major: ids ascending in a row
-            first = torch.searchsorted(row, torch.arange(tied.shape[:-1].numel(), device=row.device))
-            need = at_cut.flatten(0, -2).sum(-1)
-            ids[at_cut] = token[torch.arange(row.numel(), device=row.device) - first[row] < need[row]]
-    # tied values inside the selection: ascending token id (sort by id, then a stable sort by value)
-    ids, order = ids.sort(dim=-1)
-    values, order = values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, order)
+    logprobs, ids = ranked_candidates(logits, max(budgets))  # a bf16 head's logits (GPU) are ranked in fp32, in a copy
     correct = (ids[..., 0].cpu() == labels) & valid  # the argmax (the lowest id among tied maxima)
-    top1 = values[..., :1]
-    lse = logits.sub_(top1).exp_().sum(-1, keepdim=True).log_().add_(top1)
-    logprobs, ids = (values - lse).cpu().double().numpy(), ids.cpu().numpy()
+    logprobs, ids = logprobs.cpu().double().numpy(), ids.cpu().numpy()
     reference_length = valid.int().cumprod(1).sum(1).numpy()
     if logits.shape[0] > 1:
         return correct.numpy(), ddtree_streaks(logprobs, ids, labels.numpy(), reference_length, budgets)

@@ -1,0 +1,171 @@
+"""Draft trees: the tree mask against plain forwards, the KV cache kept to the accepted path, and
+tree decoding that stays lossless where the answer lies off the drafter's top-1 chain."""
+
+import pytest
+import torch
+
+from dflash_pipeline.engine import greedy_decode, keep_path, speculative_decode, tree_proposer, verify_tree
+from dflash_pipeline.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def plain_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def prefilled(model, prompt: list[int]):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+    return cache
+
+
+def test_the_tree_mask_on_a_three_node_tree_equals_a_loop_of_plain_forwards(tiny_llama):
+    # anchor -> 11 (node 0) -> 13 (node 2); anchor -> 12 (node 1): node 2 must not see its uncle
+    tree = DraftTree(tokens=[11, 12, 13], parents=[ANCHOR, ANCHOR, 0], depths=[0, 0, 1])
+    mask = tree_attention_mask(tree, past=3, dtype=torch.float32, device="cpu")[0, 0] == 0
+    assert mask.tolist() == [[True] * 4 + [False] * 3,
+                             [True] * 5 + [False] * 2,
+                             [True] * 4 + [False, True, False],
+                             [True] * 5 + [False, True]]
+    assert tree_positions(tree, 3) == [3, 4, 4, 5]
+    prompt, anchor = [1, 504, 3112], 314
+    cache = prefilled(tiny_llama, prompt)
+    with torch.no_grad():
+        logits = tiny_llama(input_ids=torch.tensor([[anchor] + tree.tokens]), position_ids=torch.tensor([tree_positions(tree, 3)]),
+                            attention_mask=tree_attention_mask(tree, 3, torch.float32, "cpu"), cache=cache, use_cache=True).logits[0]
+    for row, path in enumerate([[], [11], [12], [11, 13]]):
+        torch.testing.assert_close(logits[row], plain_logits(tiny_llama, prompt + [anchor] + path), rtol=1e-4, atol=1e-4)
+
+
+def test_after_a_tree_verify_the_cache_holds_exactly_the_accepted_path(tiny_llama):
+    prompt, anchor = [1, 504, 3112, 314, 253], 1345
+    first = int(plain_logits(tiny_llama, prompt + [anchor]).argmax())
+    second = int(plain_logits(tiny_llama, prompt + [anchor, first]).argmax())
+    bonus = int(plain_logits(tiny_llama, prompt + [anchor, first, second]).argmax())
+    decoys = [t for t in (40, 41, 42) if t not in (first, second)]
+    # the accepted branch is grown second, so its nodes (1, 3) must be moved down in the cache
+    tree = DraftTree(tokens=[decoys[0], first, decoys[1], second], parents=[ANCHOR, ANCHOR, 0, 1], depths=[0, 0, 1, 1])
+    cache = prefilled(tiny_llama, prompt)
+    with torch.no_grad():
+        path, token = verify_tree(tiny_llama, cache, tree, anchor, len(prompt))
+    assert path == [1, 3] and token == bonus
+    reference = prefilled(tiny_llama, prompt + [anchor, first, second])
+    assert cache.get_seq_length() == reference.get_seq_length() == len(prompt) + 3
+    for ours, theirs in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-4, atol=1e-4)
+
+
+def test_keep_path_leaves_a_prefix_of_the_node_order_in_place_and_drops_the_rest():
+    from types import SimpleNamespace
+
+    keys = torch.arange(10.0).view(1, 1, 10, 1)
+    layer = SimpleNamespace(keys=keys.clone(), values=keys.clone())
+
+    class Cache:
+        layers = [layer]
+
+        def get_seq_length(self):
+            return layer.keys.shape[-2]
+
+        def crop(self, remove):
+            layer.keys, layer.values = layer.keys[..., :remove, :], layer.values[..., :remove, :]
+
+    keep_path(Cache(), 4, [1, 4])  # nodes start at entry 4: keep entries 5 and 8 after the first four
+    assert layer.keys.flatten().tolist() == [0, 1, 2, 3, 5, 8]
+    keep_path(Cache(), 4, [])  # every node rejected
+    assert layer.keys.flatten().tolist() == [0, 1, 2, 3]
+
+
+def scripted_setup():
+    """A stand-in target that always continues with script[position], and a drafter (its context cache only)."""
+    from test_evaluate import ScriptedTarget, small_vocab_setup
+
+    drafter, _, _ = small_vocab_setup()  # block 4: trees of depth 3
+    script = torch.randperm(300, generator=torch.Generator().manual_seed(0)).add(3).tolist()  # no token twice
+    target = ScriptedTarget(script, drafter.config.feature_width)
+    tap = type("Tap", (), {"features": lambda self: target.features})()
+    return drafter, target, tap, script
+
+
+def rigged_tree_proposer(answer: list[int], prompt_length: int, budget: int, *, right_rank: int, wrong=(5, 6)):
+    """A drafter whose first slot ranks the right token `right_rank`-th (0 = its argmax) behind
+    decoys and whose later slots rank it first, so the top-1 chain fails at once where a tree
+    that reaches the right first token follows the answer down."""
+
+    def propose(cache, anchor):
+        produced = cache.length - prompt_length
+        rows, ids = [], []
+        for slot in range(1, 4):
+            right = answer[produced + slot] if produced + slot < len(answer) else 0
+            decoys = [w for w in wrong if w != right]
+            rank = right_rank if slot == 1 else 0
+            ids.append(decoys[:rank] + [right] + decoys[rank:])
+            rows.append([-0.1 * r - (0.05 if slot > 1 else 0.0) for r in range(len(ids[-1]))])
+        return build_draft_tree(rows, ids, budget)
+
+    return propose
+
+
+def test_a_tree_finds_the_answer_off_the_top1_chain_where_the_chain_does_not():
+    drafter, target, tap, script = scripted_setup()
+    prompt = [1, 2, 3, 4, 5, 6]
+    answer = script[len(prompt) - 1 :]
+    plain = greedy_decode(target, prompt, max_new_tokens=25, eos_ids=set())
+    chain = speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 3, right_rank=1), prompt,
+                               max_new_tokens=25, eos_ids=set())  # budget 3 grows the top-1 chain only
+    tree = speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 12, right_rank=1), prompt,
+                              max_new_tokens=25, eos_ids=set())
+    assert chain.tokens == tree.tokens == plain.tokens == answer[:25]
+    assert set(chain.steps) == {1}  # every top-1 token is a decoy
+    assert set(tree.steps[:-1]) == {4}  # the second-ranked path of 3 slots, plus the bonus
+    assert tree.drafted == 12 * len(tree.steps)
+
+
+def test_an_eos_inside_the_tree_ends_the_answer_and_a_rejected_tree_commits_the_bonus_only():
+    drafter, target, tap, script = scripted_setup()
+    prompt = [1, 2, 3, 4, 5, 6]
+    answer = script[len(prompt) - 1 :]
+    eos = {answer[2]}  # the second node of the first accepted path (answer[0] comes from the prefill)
+    plain = greedy_decode(target, prompt, max_new_tokens=25, eos_ids=eos)
+    run = speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 12, right_rank=1), prompt,
+                             max_new_tokens=25, eos_ids=eos)
+    assert run.tokens == plain.tokens == answer[:3] and run.steps == [4]
+
+    def hopeless(cache, anchor):  # no node is ever the target's token
+        return build_draft_tree([[0.0, -1.0]] * 3, [[1, 2]] * 3, 6)
+
+    rejected = speculative_decode(target, tap, drafter, hopeless, prompt, max_new_tokens=10, eos_ids=set())
+    assert rejected.tokens == answer[:10] and set(rejected.steps) == {1}
+
+
+@pytest.mark.parametrize("budget", [1, 4, 8])
+def test_tree_decoding_with_a_real_drafter_equals_plain_greedy(tiny_llama, budget):
+    from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.target import LayerTap, TargetHead
+
+    tap = LayerTap(tiny_llama, [1, 3])
+    head = TargetHead(tiny_llama.get_input_embeddings().weight.detach(), tiny_llama.get_output_embeddings().weight.detach())
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, vocab_size=49152, block_size=5,
+                                          target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
+    prompt = [1, 504, 3112, 314, 253, 1345, 30, 2]
+    try:
+        plain = greedy_decode(tiny_llama, prompt, max_new_tokens=30, eos_ids={2})
+        run = speculative_decode(tiny_llama, tap, drafter, tree_proposer(drafter, head, budget), prompt,
+                                 max_new_tokens=30, eos_ids={2})
+    finally:
+        tap.remove()
+    assert run.tokens == plain.tokens
+    assert run.drafted == budget * len(run.steps)
