@@ -428,6 +428,25 @@ def test_dflash2_export_writes_the_public_contract_and_round_trips(tmp_path):
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
+def test_a_dflash2_draft_vocabulary_travels_beside_the_full_vocabulary_codebooks(tmp_path):
+    from dflash_pipeline.model import select_block
+
+    drafter = random_drafter(tiny_dflash2_config())
+    drafter.set_draft_vocab(torch.tensor([9, 4, 17, 30, 55, 61, 80]))
+    out = export_drafter(drafter, tmp_path / "drafter")
+    with safe_open(out / "model.safetensors", framework="pt") as handle:  # indexed by token id: the whole vocabulary
+        assert list(handle.get_slice("candidate_selector.successor_codebook").get_shape()) == [97, 6]
+    loaded, _ = load_dflash_drafter(out)
+    assert loaded.draft_vocab.tolist() == [4, 9, 17, 30, 55, 61, 80]
+    head, features = random_head(drafter.config), torch.randn(9, drafter.config.feature_width)
+    paths = []
+    for model in (drafter, loaded.eval()):
+        cache = DraftCache(model)
+        cache.extend(features)
+        paths.append(select_block(model, head, cache, 5))
+    assert torch.equal(paths[0].tokens, paths[1].tokens) and set(paths[0].tokens.flatten().tolist()) <= set(loaded.draft_vocab.tolist())
+
+
 def test_published_dflash2_folders_load_as_baselines(tmp_path):
     """A folder as z-lab publishes DFlash2 (transformers 5 style, DFlash2 sizes in dflash_config, no
     provenance) loads; so does the `.weight` spelling of the codebooks some converters write."""
@@ -456,6 +475,9 @@ DFLASH2_LOADER_FAULTS = {
                                                      "conv_group_size": 8, "selector_top_k": 5}),
                          ["config.json", "dflash_config.selector_rank"]),
     "softcapped logits": (_edit_config(final_logit_softcapping=30.0), ["config.json", "final_logit_softcapping"]),
+    "uneven groups": (_edit_config(dflash_config={"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "conv_kernel_size": 3,
+                                                  "conv_group_size": 5, "selector_rank": 6, "selector_top_k": 5}),
+                      ["config.json", "conv_group_size 5"]),
     "missing conv": (lambda out: save_file({k: v for k, v in load_file(out / "model.safetensors").items()
                                             if k != "layers.1.mlp_conv.base_kernel"}, out / "model.safetensors"),
                      ["model.safetensors", "layers.1.mlp_conv.base_kernel"]),

@@ -279,26 +279,29 @@ def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
     if hidden_act != "silu":
         raise PipelineError(f"{where}: hidden_act is {hidden_act!r}; DFlashDrafter implements silu only")
 
-    return DrafterConfig(
-        hidden_size=hidden_size,
-        intermediate_size=int(_field(config, "intermediate_size", where)),
-        num_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden_size // heads),
-        vocab_size=int(_field(config, "vocab_size", where)),
-        block_size=int(block_size),
-        target_layer_ids=tuple(int(i) for i in layer_ids),
-        num_target_layers=int(num_target_layers),
-        mask_token_id=int(mask_token_id),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # Qwen3Config's default
-        rope_theta=_rope_theta(config, where),
-        max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
-        sliding_window=None,
-        hidden_act=hidden_act,
-        architecture=architecture,
-        **dflash2_fields,
-    )
+    try:
+        return DrafterConfig(
+            hidden_size=hidden_size,
+            intermediate_size=int(_field(config, "intermediate_size", where)),
+            num_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden_size // heads),
+            vocab_size=int(_field(config, "vocab_size", where)),
+            block_size=int(block_size),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            num_target_layers=int(num_target_layers),
+            mask_token_id=int(mask_token_id),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # Qwen3Config's default
+            rope_theta=_rope_theta(config, where),
+            max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+            sliding_window=None,
+            hidden_act=hidden_act,
+            architecture=architecture,
+            **dflash2_fields,
+        )
+    except ValueError as exc:  # sizes DrafterConfig refuses, e.g. a conv_group_size that does not divide hidden_size
+        raise PipelineError(f"{where}: {exc}") from None
 
 
 def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:

@@ -12,7 +12,8 @@ metrics and curves (`report`).
 One step: a packed batch of sequences (about `tokens_per_step` context tokens), up to
 `anchors_per_sequence` anchors per sequence drawn afresh (`blocks`), every block drafted in one
 forward under the DFlash mask, decayed cross-entropy on slots 1..B-1 through a chunked LM head
-that never holds more than `logits_chunk` x vocab logits. What a step sees depends only on
+that never holds more than `logits_chunk` x vocab logits (`train.architecture: dflash2` adds the
+selector's term, `loss.selector_loss`). What a step sees depends only on
 (seed, step), so a resumed run, or a torchrun run of any size, replays exactly the same batches.
 """
 
