@@ -15,7 +15,7 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 # (and, within its own layer, only where the table's order allows: earlier entries first).
 LAYERS = [
     ["errors", "files", "config", "runtime", "devices", "stats", "progress"],
-    ["prompts", "shards", "hf_folder", "embedded", "target", "model", "serving", "sampling", "trees"],
+    ["prompts", "shards", "hf_folder", "embedded", "target", "dflash2", "model", "serving", "sampling", "trees"],
     ["blocks", "checkpoints", "drafters", "engine", "scoring", "loss"],
     ["generate", "capture", "train", "evaluate", "export"],
     ["report"],

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -385,3 +386,203 @@ def test_a_draft_vocabulary_travels_beside_the_public_files(tmp_path):
     with pytest.raises(PipelineError) as excinfo:
         load_dflash_drafter(out)
     assert_one_line_error(excinfo, "draft_vocab.safetensors", "token_ids must be")
+
+
+# ----------------------------------------------------------------------------- DFlash2
+
+
+def tiny_dflash2_config(**overrides) -> DrafterConfig:
+    # Three taps (released drafters use two) so that a tap read from the wrong offset shows up.
+    return tiny_config(architecture="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5,
+                       **overrides)
+
+
+def smollm2_dflash2_config() -> DrafterConfig:
+    return replace(smollm2_config(), architecture="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=64,
+                   selector_top_k=16)
+
+
+DFLASH2_NAMES = {f"layers.{i}.{side}_conv.{name}" for i in range(2) for side in ("attention", "mlp")
+                 for name in ("base_kernel", "kernel_projection.weight")}
+DFLASH2_NAMES |= {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                  "candidate_selector.hidden_projection.weight"}
+
+
+def test_dflash2_export_writes_the_public_contract_and_round_trips(tmp_path):
+    drafter = random_drafter(tiny_dflash2_config())
+    out = export_drafter(drafter, tmp_path / "drafter")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == ["DFlash2DraftModel"]
+    assert written["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "block_size": 4, "conv_kernel_size": 3,
+                                        "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5}
+    dflash_names = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{n}" for i in range(2) for n in LAYER_WEIGHTS}
+    with safe_open(out / "model.safetensors", framework="pt") as handle:
+        assert set(handle.keys()) == dflash_names | DFLASH2_NAMES
+        assert list(handle.get_slice("layers.0.attention_conv.base_kernel").get_shape()) == [2, 3, 32]
+        assert list(handle.get_slice("layers.0.mlp_conv.kernel_projection.weight").get_shape()) == [2 * 3 * 4, 32]
+        assert list(handle.get_slice("candidate_selector.predecessor_codebook").get_shape()) == [97, 6]
+
+    loaded, _ = load_dflash_drafter(out)
+    assert loaded.config == drafter.config
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_dflash2_draft_vocabulary_travels_beside_the_full_vocabulary_codebooks(tmp_path):
+    from dflash_pipeline.model import select_block
+
+    drafter = random_drafter(tiny_dflash2_config())
+    drafter.set_draft_vocab(torch.tensor([9, 4, 17, 30, 55, 61, 80]))
+    out = export_drafter(drafter, tmp_path / "drafter")
+    with safe_open(out / "model.safetensors", framework="pt") as handle:  # indexed by token id: the whole vocabulary
+        assert list(handle.get_slice("candidate_selector.successor_codebook").get_shape()) == [97, 6]
+    loaded, _ = load_dflash_drafter(out)
+    assert loaded.draft_vocab.tolist() == [4, 9, 17, 30, 55, 61, 80]
+    head, features = random_head(drafter.config), torch.randn(9, drafter.config.feature_width)
+    paths = []
+    for model in (drafter, loaded.eval()):
+        cache = DraftCache(model)
+        cache.extend(features)
+        paths.append(select_block(model, head, cache, 5))
+    assert torch.equal(paths[0].tokens, paths[1].tokens) and set(paths[0].tokens.flatten().tolist()) <= set(loaded.draft_vocab.tolist())
+
+
+def test_published_dflash2_folders_load_as_baselines(tmp_path):
+    """A folder as z-lab publishes DFlash2 (transformers 5 style, DFlash2 sizes in dflash_config, no
+    provenance) loads; so does the `.weight` spelling of the codebooks some converters write."""
+    config = tiny_dflash2_config()
+    drafter = random_drafter(config)
+    out = export_drafter(drafter, tmp_path / "published", dtype=torch.bfloat16)
+    (out / PROVENANCE_FILE).unlink()
+    published = published_style_config(config, transformers_5=True)
+    published["architectures"] = ["DFlash2DraftModel"]
+    published["dflash_config"].update(target_layer_ids=[0, 2, 3], conv_kernel_size=3, conv_group_size=8, selector_rank=6,
+                                      selector_top_k=5)
+    (out / "config.json").write_text(json.dumps(published))
+    loaded, info = load_dflash_drafter(out)
+    assert loaded.config == replace(config, extra={}, max_position_embeddings=40960) and info["provenance"] is None
+    codebook = drafter.candidate_selector.successor_codebook.detach().to(torch.bfloat16).float()
+    assert torch.equal(loaded.candidate_selector.successor_codebook, codebook)
+
+    tensors = load_file(out / "model.safetensors")
+    tensors["candidate_selector.successor_codebook.weight"] = tensors.pop("candidate_selector.successor_codebook")
+    save_file(tensors, out / "model.safetensors")
+    assert torch.equal(load_dflash_drafter(out)[0].candidate_selector.successor_codebook, codebook)
+
+
+DFLASH2_LOADER_FAULTS = {
+    "no selector rank": (_edit_config(dflash_config={"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "conv_kernel_size": 3,
+                                                     "conv_group_size": 8, "selector_top_k": 5}),
+                         ["config.json", "dflash_config.selector_rank"]),
+    "softcapped logits": (_edit_config(final_logit_softcapping=30.0), ["config.json", "final_logit_softcapping"]),
+    "uneven groups": (_edit_config(dflash_config={"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "conv_kernel_size": 3,
+                                                  "conv_group_size": 5, "selector_rank": 6, "selector_top_k": 5}),
+                      ["config.json", "conv_group_size 5"]),
+    "missing conv": (lambda out: save_file({k: v for k, v in load_file(out / "model.safetensors").items()
+                                            if k != "layers.1.mlp_conv.base_kernel"}, out / "model.safetensors"),
+                     ["model.safetensors", "layers.1.mlp_conv.base_kernel"]),
+}
+
+
+@pytest.mark.parametrize("fault", list(DFLASH2_LOADER_FAULTS))
+def test_dflash2_loader_errors_are_one_line_naming_the_file_and_key(tmp_path, fault):
+    out = export_drafter(random_drafter(tiny_dflash2_config()), tmp_path / "drafter")
+    damage, fragments = DFLASH2_LOADER_FAULTS[fault]
+    damage(out)
+    with pytest.raises(PipelineError) as excinfo:
+        load_dflash_drafter(out)
+    assert_one_line_error(excinfo, *fragments)
+
+
+@pytest.fixture(scope="module")
+def zlab_dflash2_model_class(zlab_draft_model_class):
+    """z-lab's DFlash2DraftModel, found (or skipped, or failed under CI) as `zlab_draft_model_class` is."""
+    from dflash.model import DFlash2DraftModel  # a reference without DFlash2 fails here
+
+    return DFlash2DraftModel
+
+
+@pytest.mark.parametrize("make_config", [tiny_dflash2_config, smollm2_dflash2_config], ids=["tiny", "smollm2-sizes"])
+def test_zlab_reference_drafts_the_same_dflash2_logits_and_paths(tmp_path, zlab_dflash2_model_class, make_config):
+    """z-lab's DFlash2DraftModel loads our export unchanged and agrees with us on
+    (a) the drafted logits: our inference cache and our packed training forward against its per-block loop;
+    (b) the selector's greedy path (T = 0);
+    (c) at T > 0, given its sampled path, the probabilities q over each slot's candidates.
+    Its top-K is unsorted, so candidates and q are compared per token id."""
+    from transformers import DynamicCache
+
+    from dflash_pipeline.model import draft_hidden, select_block
+
+    config = make_config()
+    drafter, head = random_drafter(config), random_head(config)
+    out = export_drafter(drafter, tmp_path / "drafter")
+    reference, loading = zlab_dflash2_model_class.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    reference.eval()
+    assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"]
+    selector = reference.candidate_selector
+    assert (list(reference.target_layer_ids), reference.block_size, reference.mask_token_id, selector.top_k) == \
+        (list(config.target_layer_ids), config.block_size, config.mask_token_id, config.selector_top_k)
+    assert torch.equal(selector.predecessor_codebook.weight, drafter.candidate_selector.predecessor_codebook)
+
+    generator = torch.Generator().manual_seed(2)
+    length, size = 40, config.block_size
+    features = torch.randn(length, config.feature_width, generator=generator)
+    ids = torch.randint(0, config.vocab_size, (length,), generator=generator)
+
+    def block_embeddings(anchor):
+        block = torch.full((size,), config.mask_token_id)
+        block[0] = ids[anchor]
+        return head.embed(block)
+
+    def reference_hidden(context, anchor, past=None):
+        start = 0 if past is None else past.get_seq_length()
+        return reference(target_hidden=features[None, start:context], noise_embedding=block_embeddings(anchor)[None],
+                         position_ids=torch.arange(start, anchor + size)[None], past_key_values=past,
+                         use_cache=past is not None, is_causal=False)[0]
+
+    def by_token(candidates, values):
+        order = candidates.argsort(dim=-1)
+        return candidates.gather(-1, order), values.gather(-1, order)
+
+    selector_changed_a_draft = False
+    with torch.no_grad():
+        cache, past = DraftCache(drafter), DynamicCache()
+        for anchor in (17, 22, 23):
+            cache.extend(features[cache.length:anchor])
+            anchor_token = int(ids[anchor])
+            ours_hidden = draft_hidden(drafter, head, cache, anchor_token)
+            theirs_hidden = reference_hidden(anchor, anchor, past)[1:]
+            past.crop(anchor - past.get_seq_length())
+            # float32 rounding of the same operations in another order (four convolutions a layer, 576
+            # wide): measured up to 1.8e-5 on states up to 6 in size; a wrong tap or norm moves them by O(1).
+            torch.testing.assert_close(ours_hidden, theirs_hidden, rtol=1e-5, atol=5e-5)
+            torch.testing.assert_close(draft_block(drafter, head, cache, anchor_token), head.logits(theirs_hidden),
+                                       rtol=1e-5, atol=5e-5)
+
+            # (b) the greedy walk, each from its own hidden states and the target head.
+            ours = select_block(drafter, head, cache, anchor_token)
+            path, candidates, _ = reference.propose(theirs_hidden[None], torch.tensor([anchor_token]), head.logits, 0.0)
+            assert ours.tokens.tolist() == path.tolist()
+            assert torch.equal(ours.candidates.sort(dim=-1).values, candidates.sort(dim=-1).values)
+            selector_changed_a_draft |= ours.tokens[0].tolist() != draft_block(drafter, head, cache, anchor_token).argmax(-1).tolist()
+
+            # (c) T > 0: z-lab samples a path; along it our q over the same candidates must equal its q.
+            torch.manual_seed(anchor)
+            sampled, candidates, q_theirs = reference.propose(theirs_hidden[None], torch.tensor([anchor_token]), head.logits, 0.8)
+            predecessors = torch.cat([torch.tensor([[anchor_token]]), sampled[:, :-1]], dim=1)
+            scores = drafter.candidate_selector.pair_scores(ours_hidden[None], ours.unary, ours.candidates, predecessors)
+            ours_ids, ours_q = by_token(ours.candidates, torch.softmax(scores / 0.8, dim=-1))
+            theirs_ids, theirs_q = by_token(candidates, q_theirs)
+            assert torch.equal(ours_ids, theirs_ids)
+            torch.testing.assert_close(ours_q, theirs_q, rtol=1e-5, atol=1e-6)
+    assert selector_changed_a_draft  # the pair scores mattered, so (b) compared more than two argmaxes
+
+    with torch.no_grad():
+        anchors = [3, 11, 12, 30]  # 11 and 12: neighbouring blocks, whose convolutions must not meet
+        count = len(anchors) * size
+        mask = dflash_mask(torch.zeros(length, dtype=torch.long), torch.arange(length), torch.zeros(count, dtype=torch.long),
+                           torch.tensor(anchors).repeat_interleave(size), torch.arange(len(anchors)).repeat_interleave(size))
+        ours = drafter.forward_blocks(features, torch.arange(length), torch.cat([block_embeddings(a) for a in anchors]),
+                                      torch.cat([torch.arange(a, a + size) for a in anchors]), mask)
+        theirs = torch.cat([reference_hidden(anchor, anchor) for anchor in anchors])
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=5e-5)

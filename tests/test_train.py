@@ -497,3 +497,118 @@ def test_a_data_vocabulary_drafter_keeps_its_vocabulary_in_the_checkpoint(tiny_r
     assert drafter.draft_vocab.tolist() == torch.unique(answers).tolist()
     head = load_target_head(target, device="cpu", dtype=torch.float32)
     assert drafter.draft_head_weight(head).shape == (drafter.draft_vocab.numel(), head.lm_head_weight.shape[1])
+
+
+# ----------------------------------------------------------------------------- DFlash2
+
+TINY_DFLASH2 = replace(TINY_TRAIN, architecture="dflash2", selector_rank=8, selector_top_k=4)
+
+
+def test_selector_loss_is_k_way_cross_entropy_with_the_answer_put_in_when_missing():
+    from dflash_pipeline.dflash2 import CandidateSelector
+    from dflash_pipeline.loss import selector_loss
+
+    torch.manual_seed(0)
+    selector = CandidateSelector(hidden_size=8, vocab_size=40, rank=4, top_k=3)
+    with torch.no_grad():
+        selector.successor_codebook.normal_()
+    hidden, head_rows = torch.randn(5, 8, requires_grad=True), torch.randn(12, 8)
+    token_ids = torch.arange(12) * 3  # a draft vocabulary: column c is token 3c
+    logits = hidden.detach() @ head_rows.T
+    columns = logits.topk(3, dim=-1).indices
+    labels = torch.tensor([int(columns[0, 0]), int(columns[1, 2]), 0, 0, 0])
+    labels[2:] = torch.tensor([c for c in range(12) if c not in columns[2]][0])  # not among row 2's candidates
+    labels[3], labels[4] = int(columns[3, 1]), int(columns[4, 0])
+    predecessors, weights = torch.tensor([5, 9, 13, 17, 21]), torch.tensor([1.0, 0.5, 0.25, 2.0, 0.0])
+
+    total, covered, hits = selector_loss(selector, hidden, head_rows, columns, labels, predecessors, weights, token_ids=token_ids)
+    expected, expected_hits = 0.0, []
+    for n in range(5):
+        candidates = columns[n].tolist()
+        if labels[n] not in candidates:
+            candidates[-1] = int(labels[n])
+        context = selector.predecessor_codebook[predecessors[n]] * (selector.hidden_projection.weight @ hidden[n])
+        scores = torch.stack([hidden[n] @ head_rows[c] + context @ selector.successor_codebook[token_ids[c]] for c in candidates])
+        target = candidates.index(int(labels[n]))
+        expected = expected + weights[n] * (torch.logsumexp(scores, 0) - scores[target])
+        expected_hits.append(int(scores.argmax()) == target)
+    torch.testing.assert_close(total, expected)
+    assert covered.tolist() == [True, True, False, True, True] and hits.tolist() == expected_hits
+    total.backward()
+    assert hidden.grad.abs().sum() > 0 and selector.successor_codebook.grad[token_ids[labels[0]]].abs().sum() > 0
+
+    # The candidates come from the same head pass as the loss: each row's top-K, best first.
+    _, _, top = ChunkedHeadCrossEntropy.apply(hidden.detach(), head_rows, labels, weights, 2, None, None, 3)
+    assert torch.equal(top, columns)
+
+
+def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
+    from dflash_pipeline.loss import block_loss
+    from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.target import TargetHead
+
+    torch.manual_seed(0)
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, vocab_size=50, block_size=4, target_layer_ids=(0, 1), num_target_layers=2, mask_token_id=49,
+                           architecture="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4)
+    drafter = DFlashDrafter(config).train()
+    head = TargetHead(torch.randn(50, 32), torch.randn(50, 32))
+    samples = [_sample(torch.randint(0, 48, (24,)).tolist(), [0] * 4 + [1] * 20, width=64) for _ in range(2)]
+    for sample in samples:
+        sample.features.normal_()
+    batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=49, gamma=4.0, anchor_seeds=[0, 1])
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    curve = []
+    for _ in range(60):
+        stats = {}
+        loss, _, _ = block_loss(drafter, head, batch, logits_chunk=16, selector_weight=1.0, stats=stats)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        curve.append((loss.item(), stats["selector_loss"], stats["selector_hits"] / stats["selector_slots"]))
+    (first_loss, first_selector, _), (last_loss, last_selector, last_hits) = curve[0], curve[-1]
+    assert last_loss < 0.3 * first_loss and last_selector < 0.3 * first_selector and last_hits > 0.9, curve[::10]
+    assert drafter.layers[0].mlp_conv.kernel_projection.weight.abs().sum() > 0  # the convolution left the identity
+    plain = block_loss(drafter, head, batch, logits_chunk=16)[0]
+    assert plain.item() < loss.item()  # the selector term was part of the loss
+
+
+def test_dflash2_trains_resumes_exactly_and_is_its_own_run_configuration(tiny_run, tmp_path, monkeypatch):
+    config = replace(TINY_DFLASH2, save_every=2)
+    full = _train(tiny_run, tmp_path / "reference", config)
+    losses = [row["loss"] for row in full["curve"]]
+    assert all(math.isfinite(loss) for loss in losses) and "selector_acc" in full["curve"][0]
+    drafter, info = load_checkpoint(tmp_path / "reference" / "step_000006")
+    assert info["drafter"]["architecture"] == "dflash2" and info["train_config"]["selector_top_k"] == 4
+    assert drafter.config.selector_rank == 8 and hasattr(drafter, "candidate_selector")
+
+    out = tmp_path / "ck"
+    _train_killed_after_the_state_of(4, tiny_run, out, config, monkeypatch)
+    resumed = _train(tiny_run, out, config)
+    assert resumed["resumed_from"] == 4 and [row["loss"] for row in resumed["curve"]] == losses
+    # The same run but DFlash: another configuration, so it starts fresh instead of resuming DFlash2 weights.
+    dflash = _train(tiny_run, out, replace(config, architecture="dflash"))
+    assert dflash["resumed_from"] == 0 and dflash["curve"][0]["loss"] != losses[0]
+    assert "selector_acc" not in dflash["curve"][0]
+    assert "architecture" not in load_checkpoint(out / "step_000006")[1]["train_config"]  # a dflash record as before
+
+
+def test_dflash2_nan_loss_stops_and_keeps_the_last_checkpoint(tiny_run, tmp_path):
+    config = replace(TINY_DFLASH2, lr=1e30, save_every=1, max_steps=6, warmup_fraction=0.0)
+    with pytest.raises(PipelineError, match=r"train: loss is (nan|inf) at step \d; stopped, last good checkpoint step_00000\d kept"):
+        _train(tiny_run, tmp_path / "ck", config)
+    assert list_checkpoints(tmp_path / "ck")
+
+
+def test_dflash2_two_gloo_processes_match_one_process(tiny_run, tmp_path):
+    dflash2 = dict(architecture="dflash2", selector_rank=8, selector_top_k=4, max_steps=3, eval_every=3, save_every=3)
+    single = tmp_path / "single" / "ck"
+    run(_stage_cmd(tmp_path, tiny_run, single, **dflash2), cwd=tmp_path)
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29545")
+    ddp = tmp_path / "ddp" / "ck"
+    run(_stage_cmd(tmp_path, tiny_run, ddp, launcher=torchrun, **dflash2), cwd=tmp_path)
+    curve = json.loads((single / "state.json").read_text())["curve"]
+    assert "selector_acc" in curve[0]  # a DFlash2 run
+    one = [r["loss"] for r in curve]
+    two = [r["loss"] for r in json.loads((ddp / "state.json").read_text())["curve"]]
+    assert two == pytest.approx(one, rel=1e-4)

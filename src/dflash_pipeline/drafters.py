@@ -36,6 +36,13 @@ def drafter_config_for(target: TargetInfo, config: TrainConfig, *, layer_ids: li
     rope = getattr(text, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if config.architecture == "dflash2" and text.hidden_size % config.conv_group_size:
+        raise PipelineError(f"params.yaml: train.conv_group_size {config.conv_group_size} does not divide the target's "
+                            f"hidden size {text.hidden_size}")
+    # A dflash drafter keeps the DFlash2 sizes at their defaults: they are not part of what it is.
+    dflash2_sizes = {} if config.architecture == "dflash" else dict(
+        architecture=config.architecture, conv_kernel_size=config.conv_kernel_size, conv_group_size=config.conv_group_size,
+        selector_rank=config.selector_rank, selector_top_k=config.selector_top_k)
     return DrafterConfig(
         hidden_size=text.hidden_size,
         intermediate_size=text.intermediate_size,
@@ -53,6 +60,7 @@ def drafter_config_for(target: TargetInfo, config: TrainConfig, *, layer_ids: li
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 32768)),
         sliding_window=config.sliding_window,
         extra=extra,
+        **dflash2_sizes,
     )
 
 

@@ -9,6 +9,10 @@ References: DFlash (arXiv 2602.06036, z-lab/dflash), SpecForge's trainer.
                  block a..a+B-1), attention bidirectional inside the block, SwiGLU MLP
     norm(x) --frozen lm_head--> logits of slots 1..B-1
 
+DFlash2 (`architecture: dflash2`) wraps every attention and MLP sublayer in a block-local
+convolution and adds a candidate selector that walks one path through each slot's top-K
+(`dflash2`); `select_block` drafts a block that way.
+
 The drafter owns no embedding and no LM head: `target.TargetHead` holds the target's two frozen
 tensors, read straight from its weight files. Training drafts every anchor block of a packed
 batch of sequences in one forward (`forward_blocks`, with the DFlash mask of `dflash_mask`, its
@@ -20,6 +24,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_pipeline.dflash2 import CandidateSelector, GroupedDynamicCausalConv, SelectedPath, select_paths
+
+ARCHITECTURES = ("dflash", "dflash2")
+# DrafterConfig fields only DFlash2 reads; a DFlash config leaves them out of `to_dict`, so its
+# serialised form (checkpoint.json, provenance) is what it was before DFlash2 existed.
+DFLASH2_FIELDS = ("architecture", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,22 @@ class DrafterConfig:
     sliding_window: int | None = None  # context keys further back than this are not attended
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict)  # recorded, not used: e.g. how the mask token was chosen
+    architecture: str = "dflash"  # "dflash" | "dflash2" (the fields below are DFlash2's; dflash ignores them)
+    conv_kernel_size: int = 2  # taps of the block-local convolution (2, as released: a slot and its predecessor)
+    conv_group_size: int = 16  # channels sharing one dynamic kernel; must divide hidden_size
+    selector_rank: int = 64  # codebook width (released: 256, for a 27B target; 2 x vocab x rank weights)
+    selector_top_k: int = 16  # candidates per slot the selector chooses among
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.architecture == "dflash2":
+            if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} must be >= 1 and conv_group_size "
+                                 f"{self.conv_group_size} must divide hidden_size {self.hidden_size}")
+            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_rank {self.selector_rank} must be >= 1 and selector_top_k "
+                                 f"{self.selector_top_k} in 1..vocab_size")
 
     @property
     def feature_width(self) -> int:
@@ -49,6 +76,9 @@ class DrafterConfig:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["target_layer_ids"] = list(self.target_layer_ids)
+        if self.architecture == "dflash":
+            for name in DFLASH2_FIELDS:
+                del data[name]
         return data
 
     @classmethod
@@ -176,17 +206,33 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.block_size = config.block_size
+        self.attention_conv = self.mlp_conv = None  # DFlash2's convolutions around the two sublayers
+        if config.architecture == "dflash2":
+            self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+
+    def _around(self, conv, sublayer, x: torch.Tensor) -> torch.Tensor:
+        """sublayer(x), with `conv` (if any) before and after it, block by block (Q = blocks * B)."""
+        if conv is None:
+            return sublayer(x)
+        blocks = x.view(-1, self.block_size, x.shape[-1])
+        prepared, dynamic = conv.prepare(blocks)
+        out = sublayer(prepared.view_as(x))
+        return conv.finish(out.view_as(blocks), dynamic).view_as(out)
 
     def forward(self, x, context, rope_block, rope_context, mask, cached_kv=None):
         """x [Q, H] block tokens; context [C, H] projected features (or cached_kv); mask [Q, C + Q]."""
         attn = self.self_attn
-        normed = self.input_layernorm(x)
-        q = attn.queries(normed, *rope_block)
-        k_block, v_block = attn.keys_values(normed, *rope_block)
-        k_ctx, v_ctx = cached_kv if cached_kv is not None else attn.keys_values(context, *rope_context)
-        k, v = torch.cat([k_ctx, k_block]), torch.cat([v_ctx, v_block])
-        x = x + attn.attend(q, k, v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+        def attention(normed):
+            q = attn.queries(normed, *rope_block)
+            k_block, v_block = attn.keys_values(normed, *rope_block)
+            k_ctx, v_ctx = cached_kv if cached_kv is not None else attn.keys_values(context, *rope_context)
+            return attn.attend(q, torch.cat([k_ctx, k_block]), torch.cat([v_ctx, v_block]), mask)
+
+        x = x + self._around(self.attention_conv, attention, self.input_layernorm(x))
+        return x + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -206,6 +252,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.architecture == "dflash2":
+            self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.selector_rank,
+                                                        config.selector_top_k)
         self.apply(self._init_weights)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -259,6 +308,8 @@ class DFlashDrafter(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
+            module.reset_parameters()  # after its Linear children (apply visits them first)
 
     def project_context(self, features) -> torch.Tensor:
         """features [C, N*H] (any float dtype), or a list of per-sequence pieces -> context [C, H].
@@ -360,15 +411,10 @@ class DraftCache:
 
 
 @torch.no_grad()
-def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
-    """Logits [B-1, V] for the tokens after `anchor_token`, which sits at position cache.length.
-
-    V is the drafter's draft vocabulary (`drafter.vocab_tokens` maps columns to token ids), the
-    whole vocabulary unless it has one.
-
-    `head` is the target's frozen embedding and LM head (`target.TargetHead`).
-    The context is every position < cache.length (the anchor's own features are not known yet).
-    """
+def draft_hidden(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
+    """Final-norm hidden states [B-1, H] of the slots after `anchor_token`, which sits at position
+    cache.length. The context is every position < cache.length (the anchor's own features are not
+    known yet). `head` is the target's frozen embedding and LM head (`target.TargetHead`)."""
     config = drafter.config
     device = head.embed_weight.device
     ids = torch.full((config.block_size,), config.mask_token_id, dtype=torch.long, device=device)
@@ -387,9 +433,40 @@ def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: i
         else:
             kv = (cache.keys[index], cache.values[index])
         x = layer(x, None, rope_block, None, mask, cached_kv=kv)
-    hidden = drafter.norm(x)[1:]
+    return drafter.norm(x)[1:]
+
+
+def draft_logits(drafter: DFlashDrafter, head, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits [..., V] of drafted hidden states [..., H] over the drafter's draft vocabulary."""
     weight = drafter.draft_head_weight(head)
     return hidden.to(weight.dtype).contiguous() @ weight.T
+
+
+@torch.no_grad()
+def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
+    """Logits [B-1, V] for the tokens after `anchor_token`, which sits at position cache.length.
+
+    V is the drafter's draft vocabulary (`drafter.vocab_tokens` maps columns to token ids), the
+    whole vocabulary unless it has one.
+
+    `head` is the target's frozen embedding and LM head (`target.TargetHead`).
+    The context is every position < cache.length (the anchor's own features are not known yet).
+    """
+    return draft_logits(drafter, head, draft_hidden(drafter, head, cache, anchor_token))
+
+
+@torch.no_grad()
+def select_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int, *, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> SelectedPath:
+    """One DFlash2 block after `anchor_token` (at position cache.length): the selector's path through
+    each slot's top-K (`dflash2.select_paths`), with leading dimension 1."""
+    if drafter.config.architecture != "dflash2":
+        raise ValueError(f"select_block needs a dflash2 drafter, not a {drafter.config.architecture} one")
+    hidden = draft_hidden(drafter, head, cache, anchor_token)
+    logits = draft_logits(drafter, head, hidden)
+    anchors = torch.tensor([anchor_token], device=hidden.device)
+    return select_paths(drafter.candidate_selector, hidden[None], logits[None], anchors, to_token_ids=drafter.vocab_tokens,
+                        temperature=temperature, generator=generator)
 
 
 def count_parameters(module: nn.Module) -> int:

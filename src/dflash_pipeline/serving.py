@@ -1,17 +1,27 @@
 """The public DFlash serving format: export our drafter into it, load any drafter out of it.
 
-A drafter folder, as z-lab publishes them and as z-lab/dflash's `DFlashDraftModel.from_pretrained`,
-SGLang (`--speculative-algorithm DFLASH`) and vLLM (`method: dflash`) read it:
+A drafter folder, as z-lab publishes them and as z-lab/dflash's `DFlashDraftModel.from_pretrained`
+(`DFlash2DraftModel` for DFlash2), SGLang (`--speculative-algorithm DFLASH`) and vLLM
+(`method: dflash`) read it:
 
     config.json            a Qwen3 config plus architectures ["DFlashDraftModel"], block_size,
-                           num_target_layers, dflash_config {mask_token_id, target_layer_ids}
+                           num_target_layers, dflash_config {mask_token_id, target_layer_ids};
+                           DFlash2: ["DFlash2DraftModel"] and dflash_config also {conv_kernel_size,
+                           conv_group_size, selector_rank, selector_top_k} (vLLM reads them there only)
     model.safetensors      the drafter's own weights only: fc, hidden_norm, layers.*, norm
                            (no embedding, no LM head: those are the target's); large published
-                           drafters may shard it (model.safetensors.index.json)
+                           drafters may shard it (model.safetensors.index.json). DFlash2 adds
+                           layers.*.{attention,mlp}_conv.{base_kernel, kernel_projection.weight} and
+                           candidate_selector.{predecessor_codebook, successor_codebook,
+                           hidden_projection.weight} (the codebooks without ".weight", as published;
+                           z-lab's from_pretrained maps them onto its nn.Embedding)
     dflash_pipeline.json   ours, optional: our DrafterConfig, the source checkpoint and target
     draft_vocab.safetensors ours, optional: `token_ids`, the draft vocabulary of a drafter trained
                            with `train.train_vocab: data`; a server that ignores it drafts over
-                           the whole vocabulary (still lossless, a dearer head, lower τ)
+                           the whole vocabulary (still lossless, a dearer head, lower τ). A
+                           DFlash2 selector's codebooks always cover the whole vocabulary (they
+                           are indexed by token id), so such a server runs it unchanged; only
+                           its top-K may then hold tokens the drafter never learnt to rank
 
 Input of `export_drafter`: a drafter (`checkpoints.export_checkpoint` exports a training checkpoint).
 Output: the folder above, renamed into place when complete. `load_dflash_drafter` reads any such
@@ -34,6 +44,13 @@ from dflash_pipeline.hf_folder import weight_files
 from dflash_pipeline.target import build_target_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
+# Our DrafterConfig.architecture -> the `architectures` name of its public class, and back.
+ARCHITECTURE_NAMES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+ARCHITECTURE_OF = {name: ours for ours, name in ARCHITECTURE_NAMES.items()}
+DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Published spellings of DFlash2 tensors that name the same weight as ours.
+WEIGHT_ALIASES = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
+                  for name in ("predecessor_codebook", "successor_codebook")}
 MODEL_TYPE = "qwen3"  # what z-lab's released drafters declare: the layers are Qwen3 layers
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -43,12 +60,15 @@ PROVENANCE_VERSION = 1
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def public_weight_names(num_layers: int) -> list[str]:
+def public_weight_names(num_layers: int, architecture: str = "dflash") -> list[str]:
     """The tensor names of the serving format, independent of how model.py names things."""
     per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"self_attn.{n}_norm.weight" for n in "qk"]
     per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
     names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    if architecture == "dflash2":
+        per_layer += [f"{side}_conv.{name}" for side in ("attention", "mlp") for name in ("base_kernel", "kernel_projection.weight")]
+        names += [f"candidate_selector.{name}" for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")]
     return names + [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer]
 
 
@@ -58,7 +78,7 @@ def _public_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     state = drafter.state_dict()
     state["fc.weight"] = drafter.folded_fc_weight().detach()  # the feature scale folded in
     del state["feature_scale"], state["draft_vocab"]  # the one is folded in, the other has its own file
-    public = public_weight_names(drafter.config.num_layers)
+    public = public_weight_names(drafter.config.num_layers, drafter.config.architecture)
     if set(state) != set(public):
         raise PipelineError(f"DFlashDrafter weights {sorted(set(state) ^ set(public))[:3]} differ from the serving format's names")
     return {name: state[name] for name in public}
@@ -80,14 +100,17 @@ def serving_config(config: DrafterConfig, *, dtype: torch.dtype = torch.float32)
     if config.hidden_act != "silu":
         raise PipelineError(f"drafter has hidden_act={config.hidden_act!r}; the serving engines implement silu only")
     dtype_name = DTYPE_NAMES[dtype]
+    dflash_config = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                     "block_size": config.block_size}
+    if config.architecture == "dflash2":
+        dflash_config.update({key: getattr(config, key) for key in DFLASH2_CONFIG_KEYS})
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURE_NAMES[config.architecture]],
         "model_type": MODEL_TYPE,
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
         # SGLang reads block_size from here first, z-lab and MLX from the top level: same value.
-        "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
-                          "block_size": config.block_size},
+        "dflash_config": dflash_config,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers,
@@ -119,7 +142,8 @@ def serving_config(config: DrafterConfig, *, dtype: torch.dtype = torch.float32)
 
 def _is_drafter_folder(folder: Path) -> bool:
     try:
-        return ARCHITECTURE in json.loads((folder / "config.json").read_text()).get("architectures", [])
+        names = json.loads((folder / "config.json").read_text()).get("architectures", [])
+        return any(name in ARCHITECTURE_OF for name in names)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -202,8 +226,22 @@ def _layer_types(config: dict, num_layers: int) -> list[str]:
 def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
     """Map a serving config.json (already parsed) onto our DrafterConfig; `where` names it in errors."""
     dflash = config.get("dflash_config") or {}
-    if ARCHITECTURE not in (config.get("architectures") or [ARCHITECTURE]):
-        raise PipelineError(f"{where}: architectures is {config['architectures']}, not [{ARCHITECTURE!r}]")
+    known = [name for name in (config.get("architectures") or [ARCHITECTURE]) if name in ARCHITECTURE_OF]
+    if not known:
+        raise PipelineError(f"{where}: architectures is {config['architectures']}, not one of {sorted(ARCHITECTURE_OF)}")
+    architecture = ARCHITECTURE_OF[known[0]]
+    dflash2_fields = {}
+    if architecture == "dflash2":
+        for key in DFLASH2_CONFIG_KEYS:  # dflash_config first, then the top level, as z-lab reads them
+            value = dflash.get(key, config.get(key))
+            if value is None:
+                raise PipelineError(f"{where}: no dflash_config.{key} (a DFlash2DraftModel needs it)")
+            dflash2_fields[key] = int(value)
+    # z-lab's drafting reads these too; ours implements their neutral values only (plain embeddings, plain logits).
+    for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)):
+        value = dflash.get(key, config.get(key))
+        if value is not None and float(value) != neutral:
+            raise PipelineError(f"{where}: {key} is {value!r}; DFlashDrafter implements only {neutral} (or none)")
     num_layers = int(_field(config, "num_hidden_layers", where))
     hidden_size = int(_field(config, "hidden_size", where))
     heads = int(_field(config, "num_attention_heads", where))
@@ -241,24 +279,29 @@ def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
     if hidden_act != "silu":
         raise PipelineError(f"{where}: hidden_act is {hidden_act!r}; DFlashDrafter implements silu only")
 
-    return DrafterConfig(
-        hidden_size=hidden_size,
-        intermediate_size=int(_field(config, "intermediate_size", where)),
-        num_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden_size // heads),
-        vocab_size=int(_field(config, "vocab_size", where)),
-        block_size=int(block_size),
-        target_layer_ids=tuple(int(i) for i in layer_ids),
-        num_target_layers=int(num_target_layers),
-        mask_token_id=int(mask_token_id),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # Qwen3Config's default
-        rope_theta=_rope_theta(config, where),
-        max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
-        sliding_window=None,
-        hidden_act=hidden_act,
-    )
+    try:
+        return DrafterConfig(
+            hidden_size=hidden_size,
+            intermediate_size=int(_field(config, "intermediate_size", where)),
+            num_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden_size // heads),
+            vocab_size=int(_field(config, "vocab_size", where)),
+            block_size=int(block_size),
+            target_layer_ids=tuple(int(i) for i in layer_ids),
+            num_target_layers=int(num_target_layers),
+            mask_token_id=int(mask_token_id),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # Qwen3Config's default
+            rope_theta=_rope_theta(config, where),
+            max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+            sliding_window=None,
+            hidden_act=hidden_act,
+            architecture=architecture,
+            **dflash2_fields,
+        )
+    except ValueError as exc:  # sizes DrafterConfig refuses, e.g. a conv_group_size that does not divide hidden_size
+        raise PipelineError(f"{where}: {exc}") from None
 
 
 def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
@@ -281,15 +324,18 @@ def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, 
             raise PipelineError(f"{index}: names shard {file.name}, which does not exist")
         try:
             with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
+                for stored_name in handle.keys():
+                    name = WEIGHT_ALIASES.get(stored_name, stored_name)
+                    if name in tensors:
+                        raise PipelineError(f"{file}: holds {name!r} twice (as {stored_name!r} and another spelling)")
                     if name not in expected_shapes:
                         raise PipelineError(f"{file}: unexpected tensor {name!r} (not a DFlash drafter weight)")
-                    if indexed and indexed.get(name) != file:
-                        raise PipelineError(f"{file}: holds {name!r}, which {WEIGHTS_INDEX} places elsewhere")
-                    shape = tuple(handle.get_slice(name).get_shape())
+                    if indexed and indexed.get(stored_name) != file:
+                        raise PipelineError(f"{file}: holds {stored_name!r}, which {WEIGHTS_INDEX} places elsewhere")
+                    shape = tuple(handle.get_slice(stored_name).get_shape())
                     if shape != expected_shapes[name]:
                         raise PipelineError(f"{file}: tensor {name!r} has shape {list(shape)}, config.json implies {list(expected_shapes[name])}")
-                    tensor = handle.get_tensor(name)
+                    tensor = handle.get_tensor(stored_name)
                     stored[name] = str(tensor.dtype).removeprefix("torch.")
                     tensors[name] = tensor.to(torch.float32)
         except SafetensorError as exc:

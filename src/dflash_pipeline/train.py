@@ -12,7 +12,8 @@ metrics and curves (`report`).
 One step: a packed batch of sequences (about `tokens_per_step` context tokens), up to
 `anchors_per_sequence` anchors per sequence drawn afresh (`blocks`), every block drafted in one
 forward under the DFlash mask, decayed cross-entropy on slots 1..B-1 through a chunked LM head
-that never holds more than `logits_chunk` x vocab logits. What a step sees depends only on
+that never holds more than `logits_chunk` x vocab logits (`train.architecture: dflash2` adds the
+selector's term, `loss.selector_loss`). What a step sees depends only on
 (seed, step), so a resumed run, or a torchrun run of any size, replays exactly the same batches.
 """
 
@@ -34,7 +35,7 @@ from dflash_pipeline.checkpoints import (
     save_resume_state,
     step_folder,
 )
-from dflash_pipeline.config import TrainConfig, as_dict
+from dflash_pipeline.config import TrainConfig, train_record_config
 from dflash_pipeline.devices import autocast, bf16_by_default
 from dflash_pipeline.drafters import choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
@@ -225,7 +226,7 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
         plan=plan_steps(train_set.lengths(), tokens_per_step=config.tokens_per_step, max_steps=config.max_steps, seed=config.seed),
         mask_token_id=mask_token_id, gamma=gamma, device=device, world=world, rank=rank,
         attention=config.attention if config.attention != "auto" else ("flex" if on_gpu else "sdpa"),
-        record={"train_config": as_dict(config), "target_fingerprint": target.fingerprint,
+        record={"train_config": train_record_config(config), "target_fingerprint": target.fingerprint,
                 "shards": {"train": manifest.tokens, "val": val_set.manifest.tokens, "layer_ids": manifest.layer_ids,
                            "feature_dtype": manifest.feature_dtype}},
     )
@@ -297,9 +298,11 @@ def train_step(run: TrainingRun, step: int) -> dict:
                         anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
                         sliding_window=run.drafter.config.sliding_window).to(device)
     weight_total = _all_reduce(batch.weights.sum().to(device), world)
+    selector = {} if config.architecture == "dflash2" else None  # this rank's selector sums, for the curve
     with autocast(device, run.bf16):
         loss, hits, _ = block_loss(run.drafter, run.head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
-                                   attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight)
+                                   attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight,
+                                   selector_weight=config.selector_weight if selector is not None else 0.0, stats=selector)
     hits = hits.cpu()
     loss_value = _all_reduce(loss.detach().clone(), world)
     if not torch.isfinite(loss_value):
@@ -313,9 +316,15 @@ def train_step(run: TrainingRun, step: int) -> dict:
     grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), config.grad_clip)
     run.optimizer.step()
     tokens = int(_all_reduce(torch.tensor(float(batch.context_tokens), device=device), world).item())
-    return {"step": step + 1, "loss": round(loss_value.item(), 6), "lr": lr, "grad_norm": round(float(grad_norm), 4),
-            "slot1_acc": round(float(hits[:, 0][batch.exists[:, 0]].float().mean()), 4) if hits.numel() else None,
-            "loss_value": loss_value.item(), "context_tokens": tokens, "trained_positions": int(batch.exists.sum())}
+    row = {"step": step + 1, "loss": round(loss_value.item(), 6), "lr": lr, "grad_norm": round(float(grad_norm), 4),
+           "slot1_acc": round(float(hits[:, 0][batch.exists[:, 0]].float().mean()), 4) if hits.numel() else None,
+           "loss_value": loss_value.item(), "context_tokens": tokens, "trained_positions": int(batch.exists.sum())}
+    if selector:
+        # Teacher-forced: how often the answer is among the drafted top-K, and ranked first by the selector.
+        slots = max(selector["selector_slots"], 1)
+        row.update(selector_coverage=round(selector["selector_covered"] / slots, 4),
+                   selector_acc=round(selector["selector_hits"] / slots, 4))
+    return row
 
 
 class NonFiniteLoss(PipelineError):
