@@ -4,6 +4,7 @@ The tiny targets have the real 49,152-token vocabulary and chat template (so tok
 EOS handling are the real ones) but only a few narrow layers, so a stage runs in seconds on CPU.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -216,3 +217,26 @@ def tiny_run(tiny_llama_dir, tmp_path_factory):
     generated = write_generated(root / "generated", {"train": 24, "val": 6}, answer_len=(10, 60))
     run_capture(CaptureConfig(layer_ids=[1, 3]), target=target, generated_dir=generated, out_dir=root / "hidden", device="cpu")
     return target, root
+
+
+@pytest.fixture(scope="session")
+def zlab_draft_model_class():
+    """z-lab's DFlashDraftModel: the `dflash` package from PyPI (dflash==0.1.0, which `make install` puts in
+    the venv), or, when DFLASH_ZLAB_PATH is set, the z-lab/dflash checkout it names (put first on sys.path).
+
+    Without either the test skips, except under CI=true, where it fails: CI must run the comparison.
+    """
+    path = os.environ.get("DFLASH_ZLAB_PATH")
+    if path:
+        sys.path.insert(0, os.path.abspath(path))
+    if importlib.util.find_spec("dflash") is None:
+        message = ("z-lab's reference is not installed: `pip install --no-deps dflash==0.1.0` (make install does), "
+                   "or set DFLASH_ZLAB_PATH to a z-lab/dflash checkout")
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from dflash.model import DFlashDraftModel  # an import error here (e.g. a transformers break) fails the test
+
+    if path and not os.path.abspath(sys.modules["dflash.model"].__file__).startswith(os.path.abspath(path) + os.sep):
+        pytest.fail(f"DFLASH_ZLAB_PATH={path} has no dflash/model.py; imported {sys.modules['dflash.model'].__file__}")
+    return DFlashDraftModel

@@ -2,10 +2,7 @@
 folders, and z-lab's own DFlashDraftModel (the PyPI package dflash==0.1.0, or the z-lab/dflash checkout
 DFLASH_ZLAB_PATH names) loading our export and drafting the same logits as our inference and training paths."""
 
-import importlib.util
 import json
-import os
-import sys
 from dataclasses import replace
 
 import pytest
@@ -283,29 +280,6 @@ def test_loader_errors_are_one_line_naming_the_file_and_key(tmp_path, fault):
 
 
 # ----------------------------------------------------------------------------- the z-lab reference
-
-
-@pytest.fixture(scope="module")
-def zlab_draft_model_class():
-    """z-lab's DFlashDraftModel: the `dflash` package from PyPI (dflash==0.1.0, which `make install` puts in
-    the venv), or, when DFLASH_ZLAB_PATH is set, the z-lab/dflash checkout it names (put first on sys.path).
-
-    Without either the test skips, except under CI=true, where it fails: CI must run the comparison.
-    """
-    path = os.environ.get("DFLASH_ZLAB_PATH")
-    if path:
-        sys.path.insert(0, os.path.abspath(path))
-    if importlib.util.find_spec("dflash") is None:
-        message = ("z-lab's reference is not installed: `pip install --no-deps dflash==0.1.0` (make install does), "
-                   "or set DFLASH_ZLAB_PATH to a z-lab/dflash checkout")
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(message)
-        pytest.skip(message)
-    from dflash.model import DFlashDraftModel  # an import error here (e.g. a transformers break) fails the test
-
-    if path and not os.path.abspath(sys.modules["dflash.model"].__file__).startswith(os.path.abspath(path) + os.sep):
-        pytest.fail(f"DFLASH_ZLAB_PATH={path} has no dflash/model.py; imported {sys.modules['dflash.model'].__file__}")
-    return DFlashDraftModel
 
 
 @pytest.mark.parametrize("make_config", [tiny_config, smollm2_config], ids=["tiny", "smollm2-sizes"])

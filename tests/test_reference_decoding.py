@@ -15,7 +15,7 @@ from dflash_pipeline.model import DrafterConfig
 from dflash_pipeline.sampling import Sampling
 from dflash_pipeline.serving import export_drafter
 from dflash_pipeline.target import LayerTap, TargetHead
-from test_export import random_drafter, zlab_draft_model_class  # noqa: F401 (a fixture)
+from test_export import random_drafter
 
 VOCAB, RUNS, NEW_TOKENS = 32, 500, 5  # 5 new tokens: the first block is drafted whole (B - 1 = 3 slots) in both
 
