@@ -255,13 +255,13 @@ class InMemorySplit:
         return [s.input_ids.shape[0] for s in self.samples]
 
 
-def small_vocab_setup(seed=0, vocab=3, block_size=4):
+def small_vocab_setup(seed=0, vocab=3, block_size=4, **config_overrides):
     """A drafter over a 3-token vocabulary (labels use two): random guesses hit often enough that
     correct slots, taus and tree streaks all take many values."""
     torch.manual_seed(seed)
     config = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=8, vocab_size=vocab, block_size=block_size, target_layer_ids=(1, 2), num_target_layers=4,
-                           mask_token_id=vocab - 1)
+                           mask_token_id=vocab - 1, **config_overrides)
     drafter = DFlashDrafter(config).eval()
     head = TargetHead(torch.randn(vocab, 32), torch.randn(vocab, 32))
     generator = torch.Generator().manual_seed(seed + 1)
@@ -293,6 +293,25 @@ def test_batched_scores_equal_one_block_at_a_time(anchors, logits_chunk, blocks_
     if anchors == 0:  # every anchor: all positions a with an answer token at a and a + 1
         expected = sum(int(s.loss_mask.sum()) - 1 for s in split.samples)
         assert batched.tau.shape[0] == expected
+
+
+def test_dflash2_scores_the_selector_walk_batched_as_one_block_at_a_time():
+    from test_dflash2 import randomize
+
+    drafter, head, split = small_vocab_setup(vocab=12, architecture="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=4,
+                                             selector_top_k=4)
+    randomize(drafter, seed=3)  # an untrained selector walks the argmax: make it choose
+    batched = score_teacher_forced(drafter, head, split, anchors_per_sequence=0, tokens_per_batch=70, tree_budgets=[4], logits_chunk=7,
+                                   blocks_per_forward=9)
+    plain = score_one_block_at_a_time(drafter, head, split, anchors_per_sequence=0, tree_budgets=[4])
+    for name in ("correct", "argmax_correct", "in_top_k", "valid"):
+        assert np.array_equal(getattr(batched, name), getattr(plain, name)), name
+    assert not np.array_equal(batched.correct, batched.argmax_correct)  # the walk is not each slot's argmax
+    assert (batched.in_top_k >= batched.correct).all() and (batched.in_top_k >= batched.argmax_correct).all()
+    summary = summarize_blocks(batched)
+    assert summary["tau_oracle"] >= max(summary["tau"], summary["tau_argmax"])
+    assert summary["tau_selector_gain"] == pytest.approx(summary["tau"] - summary["tau_argmax"], abs=1e-3)
+    assert 0 < summary["slot1_topk_recall"] < 1 and {"slot2_topk_recall", "slot3_topk_recall"} <= set(summary)
 
 
 def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
@@ -342,6 +361,30 @@ def test_untrained_drafter_decodes_losslessly_with_tau_near_one(tiny_target):
     spec = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head), prompt, max_new_tokens=30, eos_ids={2})
     assert len(plain.tokens) == 30 and spec.tokens == plain.tokens
     assert 1.0 <= np.mean(spec.steps) < 1.5 and sum(spec.steps) == 29  # the first token comes from the prefill
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "match", "ratio"])
+def test_a_dflash2_drafter_decodes_losslessly_with_its_selector(tiny_target, mode):
+    from test_dflash2 import randomize
+
+    from dflash_pipeline.engine import tree_proposer
+    from dflash_pipeline.sampling import Sampling
+
+    model, tap, head, drafter, prompt = tiny_target
+    torch.manual_seed(0)
+    dflash2 = randomize(DFlashDrafter(replace(drafter.config, architecture="dflash2", conv_kernel_size=2, conv_group_size=16,
+                                              selector_rank=8, selector_top_k=4)), seed=2)
+    if mode in ("chain", "tree"):
+        propose = drafter_proposer(dflash2, head) if mode == "chain" else tree_proposer(dflash2, head, 6)
+        plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
+        assert speculative_decode(model, tap, dflash2, propose, prompt, max_new_tokens=30, eos_ids={2}).tokens == plain.tokens
+        return
+    sampling = Sampling(1.0, rule=mode, top_k=3, seed=4)
+    run = speculative_decode(model, tap, dflash2, drafter_proposer(dflash2, head, sampling), prompt, max_new_tokens=20, eos_ids={2},
+                             sampling=sampling)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + run.tokens])).logits[0, len(prompt) - 1 : -1]
+    assert len(run.tokens) == 20 and all(token in logits.topk(3, dim=-1).indices[i].tolist() for i, token in enumerate(run.tokens))
 
 
 def oracle(reference: list[int], wrong_from: int | None = None, block_size: int = 5):

@@ -1,5 +1,7 @@
 """Our sampled speculative decoding against z-lab's reference decoder (`dflash_generate` of the
-registry's dflash==0.1.0), with the same exported drafter on the same small target at T = 1.
+registry's dflash==0.1.0), with the same exported drafter on the same small target at T = 1, for
+a DFlash drafter and a DFlash2 drafter (whose candidate selector samples a path and yields q over
+its K candidates).
 
 Both use speculative sampling (the drafter samples each slot from q, accept with p/q, resample a
 rejection from the residual), so over many seeds they must agree in distribution: the second and
@@ -17,7 +19,7 @@ from dflash_pipeline.serving import export_drafter
 from dflash_pipeline.target import LayerTap, TargetHead
 from test_export import random_drafter
 
-VOCAB, RUNS, NEW_TOKENS = 32, 500, 5  # 5 new tokens: the first block is drafted whole (B - 1 = 3 slots) in both
+VOCAB, RUNS, NEW_TOKENS = 32, 400, 5  # 5 new tokens: the first block is drafted whole (B - 1 = 3 slots) in both
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +62,29 @@ def goodness_of_fit(samples: list[int], probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
+ARCHITECTURES = {"dflash": {}, "dflash2": dict(architecture="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=4,
+                                               selector_top_k=8)}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_our_speculative_sampling_matches_the_reference_decoder_in_distribution(tmp_path, small_target, zlab_draft_model_class,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, architecture):
     import dflash.model as reference_module
 
     model = small_target
     drafter = random_drafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                            head_dim=8, vocab_size=VOCAB, block_size=4, target_layer_ids=(1, 3), num_target_layers=4,
-                                           mask_token_id=VOCAB - 1))
+                                           mask_token_id=VOCAB - 1, **ARCHITECTURES[architecture]))
+    if architecture == "dflash2":
+        from test_dflash2 import randomize
+
+        randomize(drafter, seed=1)  # a selector that walks its own way, not each slot's argmax ...
+        with torch.no_grad():  # ... but not so sharply that it is never accepted
+            for weight in drafter.candidate_selector.parameters():
+                weight.mul_(0.4)
     head = TargetHead(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
-    reference = zlab_draft_model_class.from_pretrained(export_drafter(drafter, tmp_path / "drafter"), dtype=torch.float32).eval()
+    reference_class = reference_module.DFlash2DraftModel if architecture == "dflash2" else zlab_draft_model_class
+    reference = reference_class.from_pretrained(export_drafter(drafter, tmp_path / "drafter"), dtype=torch.float32).eval()
     monkeypatch.setattr(reference_module, "_cuda_time", __import__("time").perf_counter)  # its stats path times with CUDA syncs
     prompt = [3, 17, 5, 9, 22, 11]
 
@@ -97,6 +112,7 @@ def test_our_speculative_sampling_matches_the_reference_decoder_in_distribution(
         assert goodness_of_fit(samples["second"], second) > 1e-3, f"{name} second tokens are not the target's distribution"
         assert goodness_of_fit(samples["third"], third) > 1e-3, f"{name} third tokens are not the target's distribution"
     ours_steps, theirs_steps = torch.tensor(ours["first_step"]).double(), torch.tensor(theirs["first_step"]).double()
+    print(f"{architecture}: first-step tokens ours {float(ours_steps.mean()):.3f}, z-lab's {float(theirs_steps.mean()):.3f} over {RUNS} seeds")
     assert 1.2 < float(ours_steps.mean()) < 3.5, "the drafter should be accepted sometimes, not never or always"
     error = float((ours_steps.var() / RUNS + theirs_steps.var() / RUNS).sqrt())
     assert abs(float(ours_steps.mean() - theirs_steps.mean())) < 4 * error, (float(ours_steps.mean()), float(theirs_steps.mean()))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dflash_pipeline.devices import autocast, synchronize, timed
-from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block
+from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block, select_block
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.stats import mean_ci95
@@ -107,6 +107,8 @@ def drafter_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Samplin
     under the "match" rule), sampled from q at the sampling temperature under "ratio" (then with q
     over the full vocabulary, zero outside a draft vocabulary)."""
     generator = sampling.generator(offset=1) if sampling else None  # the drafter's own stream
+    if drafter.config.architecture == "dflash2":
+        return _selector_proposer(drafter, head, sampling, generator)
 
     def propose(cache: DraftCache, anchor: int):
         logits = draft_block(drafter, head, cache, anchor)
@@ -123,9 +125,27 @@ def drafter_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Samplin
     return propose
 
 
+def _selector_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Sampling | None, generator):
+    """A DFlash2 drafter proposes the candidate selector's walk from the anchor (`model.select_block`):
+    greedy at T = 0 and under "match"; under "ratio" sampled at the sampling temperature, with q
+    each slot's draw probabilities over its K candidates (zero elsewhere). A slot's q depends on
+    the token drawn before it, which the ratio test allows (as for any autoregressive drafter)."""
+
+    def propose(cache: DraftCache, anchor: int):
+        if sampling is None or sampling.rule == "match":
+            tokens = select_block(drafter, head, cache, anchor).tokens[0].tolist()
+            return tokens if sampling is None else Proposal(tokens)
+        path = select_block(drafter, head, cache, anchor, temperature=sampling.temperature, generator=generator)
+        q = torch.zeros(path.q.shape[1], head.lm_head_weight.shape[0]).scatter_(1, path.candidates[0].cpu(), path.q[0].float().cpu())
+        return Proposal(path.tokens[0].tolist(), q)
+
+    return propose
+
+
 def tree_proposer(drafter: DFlashDrafter, head: TargetHead, budget: int):
     """The proposal function of tree decoding (T = 0): the DDTree of the `budget` most probable
-    drafted prefixes of the block, from the drafter's per-slot distributions (`trees`)."""
+    drafted prefixes of the block, from the drafter's per-slot distributions (`trees`; for a
+    DFlash2 drafter, its head's per-slot logits: the selector walks one path, not a tree)."""
 
     def propose(cache: DraftCache, anchor: int) -> DraftTree:
         logprobs, columns = ranked_candidates(draft_block(drafter, head, cache, anchor), budget)

@@ -100,6 +100,8 @@ def flat_metrics(result, tree_budgets: list[int]) -> dict:
                                    (("e2e_tree", "tau"), ("e2e_tree", "tau_ci95"), ("tree", "speedup"), ("tree", "verify_cost_steps"),
                                     ("tree", "lossless_rate"), ("tree", "near_tie_mismatches"))]
     keep += sorted(k for k in best if k.startswith(("e2e_tau_t", "speedup_t", "acceptance_t")))  # per sampling temperature
+    keep += [k for k in ("tau_argmax", "tau_argmax_ci95", "tau_oracle", "tau_oracle_ci95", "tau_selector_gain", "tau_selector_gain_ci95")
+             if k in best]  # DFlash2's selector against each slot's argmax; slotK_topk_recall comes with the slots
     categories = sorted(set(result.categories))
     keep += sorted([k for k in best if k.startswith("slot")] + [f"tau_{c}" for c in categories] + [f"tau_{c}_ci95" for c in categories])
     metrics = {key: best[key] for key in keep if key in best}

@@ -26,7 +26,8 @@ import torch
 
 from dflash_pipeline.blocks import build_batch, draw_anchors, scoring_anchor_seed, valid_anchors
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block
+from dflash_pipeline.dflash2 import select_paths
+from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block, select_block
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.stats import mean_ci95_over_prompts, paired_difference as paired_prompt_difference
 from dflash_pipeline.target import TargetHead
@@ -63,6 +64,9 @@ class BlockScores:
     correct: np.ndarray  # [n, B-1] drafted argmax == target-greedy token (and the slot exists)
     valid: np.ndarray  # [n, B-1] the slot holds an answer token to compare with
     streaks: dict[int, np.ndarray] = field(default_factory=dict)  # budget -> [n]
+    # DFlash2 only: `correct` is the selector's walk; these say what the selector had to pick from
+    argmax_correct: np.ndarray | None = None  # [n, B-1] each slot's own argmax == target token (DFlash's rule)
+    in_top_k: np.ndarray | None = None  # [n, B-1] the target token is among the slot's top-K candidates
 
     @property
     def tau(self) -> np.ndarray:
@@ -142,6 +146,20 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
     return result
 
 
+def _score_selector(drafter: DFlashDrafter, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
+                    valid: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A DFlash2 drafter's blocks: hidden [n, B-1, H], logits [n, B-1, V] (not yet overwritten),
+    anchor and label token ids [n] / [n, B-1] -> (the selector walk's slot correct, each slot's own
+    argmax correct, the label among the slot's top-K), each [n, B-1]."""
+    path = select_paths(drafter.candidate_selector, hidden, logits, anchors, to_token_ids=drafter.vocab_tokens)
+    labels = labels.to(path.tokens.device)
+    valid_here = valid.to(path.tokens.device)
+    walked = (path.tokens == labels) & valid_here
+    argmax = (drafter.vocab_tokens(logits.argmax(-1)) == labels) & valid_here
+    in_top_k = (path.candidates == labels[..., None]).any(-1) & valid_here
+    return walked.cpu().numpy(), argmax.cpu().numpy(), in_top_k.cpu().numpy()
+
+
 def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int]):
     """logits [n, B-1, V] (overwritten when float32) -> correct [n, B-1] and streaks {budget: [n]}.
 
@@ -214,7 +232,8 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
     if current:
         groups.append(current)
     device = head.embed_weight.device
-    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
+    selector = config.architecture == "dflash2"
+    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []} | ({"argmax_correct": [], "in_top_k": []} if selector else {})
     streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
     # The head runs on chunks of `chunk` blocks gathered across forwards (a forward holds few
     # blocks, to keep its dense mask small), in one reused buffer (see `logits_into`).
@@ -224,18 +243,23 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
     pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # drafted, not yet through the head
 
     def score_pending(everything: bool) -> None:
-        hidden, labels, valid = (torch.cat(piece) for piece in zip(*pending))
+        hidden, labels, valid, anchor_ids, label_ids = (torch.cat(piece) for piece in zip(*pending))
         pending.clear()
         ready = hidden.shape[0] if everything else hidden.shape[0] // chunk * chunk
         for start in range(0, ready, chunk):
             stop = min(start + chunk, ready)
             logits = logits_into(head_weight, hidden[start:stop], logits_buffer)
+            if selector:  # before _score_logits, which overwrites the logits
+                walked, argmax, in_top_k = _score_selector(drafter, hidden[start:stop], logits, anchor_ids[start:stop],
+                                                           label_ids[start:stop], valid[start:stop])
+                parts["argmax_correct"].append(argmax)
+                parts["in_top_k"].append(in_top_k)
             correct, streaks = _score_logits(logits, labels[start:stop], valid[start:stop], tree_budgets)
-            parts["correct"].append(correct)
+            parts["correct"].append(walked if selector else correct)
             for budget in tree_budgets:
                 streak_parts[budget].append(streaks[budget])
         if ready < hidden.shape[0]:
-            pending.append((hidden[ready:], labels[ready:], valid[ready:]))
+            pending.append((hidden[ready:], labels[ready:], valid[ready:], anchor_ids[ready:], label_ids[ready:]))
 
     for group in progress_iter(groups, desc=f"score {drafter_label(drafter)}", unit="batch", disable=not progress, leave=False):
         samples = [dataset[index] for index in group]
@@ -247,7 +271,8 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
         hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
                                         attention=attention)
-        pending.append((hidden.view(-1, block_size, hidden.shape[-1])[:, 1:], drafter.vocab_index(batch.labels), batch.exists))
+        pending.append((hidden.view(-1, block_size, hidden.shape[-1])[:, 1:], drafter.vocab_index(batch.labels), batch.exists,
+                        batch.block_ids.view(-1, block_size)[:, 0].cpu(), batch.labels))
         if sum(piece[0].shape[0] for piece in pending) >= chunk:
             score_pending(everything=False)
         parts["valid"].append(batch.exists.numpy())
@@ -273,7 +298,8 @@ def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset,
     drafter.eval()
     config = drafter.config
     block_size, cap = config.block_size, _anchors_cap(anchors_per_sequence)
-    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
+    selector = config.architecture == "dflash2"
+    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []} | ({"argmax_correct": [], "in_top_k": []} if selector else {})
     streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
     for index in (range(len(dataset)) if sequences is None else sequences):
         sample = dataset[index]
@@ -289,8 +315,14 @@ def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset,
             inside = slots < length
             labels = drafter.vocab_index(ids[slots.clamp(max=length - 1)])
             valid = inside & mask[slots.clamp(max=length - 1)]
+            if selector:  # the walk as decoding takes it: one block through the cache
+                label_ids = ids[slots.clamp(max=length - 1)][None].to(logits.device)
+                path = select_block(drafter, head, cache, int(ids[anchor]))
+                inside_valid = valid[None].to(logits.device)
+                parts["argmax_correct"].append(((drafter.vocab_tokens(logits.argmax(-1))[None] == label_ids) & inside_valid).cpu().numpy())
+                parts["in_top_k"].append(((path.candidates == label_ids[..., None]).any(-1) & inside_valid).cpu().numpy())
             correct, streaks = _score_logits(logits[None], labels[None], valid[None], tree_budgets)
-            parts["correct"].append(correct)
+            parts["correct"].append(((path.tokens == label_ids) & inside_valid).cpu().numpy() if selector else correct)
             parts["valid"].append(valid[None].numpy())
             parts["sequence"].append(np.array([index]))
             parts["anchor"].append(np.array([anchor]))
@@ -337,6 +369,16 @@ def summarize_blocks(scores: BlockScores, categories: list[str] | None = None) -
     for k, (u, c) in enumerate(zip(unconditional, conditional)):
         summary[f"slot{k + 1}_acc"] = round(u, 4)
         summary[f"slot{k + 1}_acc_cond"] = round(c, 4)
+    if scores.argmax_correct is not None:  # DFlash2: what the selector buys over each slot's own argmax
+        argmax_tau = acceptance_length(scores.argmax_correct)
+        for key, values in (("tau_argmax", argmax_tau), ("tau_oracle", acceptance_length(scores.in_top_k))):
+            mean, half = mean_ci95_over_prompts(values, scores.sequence)
+            summary[key], summary[f"{key}_ci95"] = round(mean, 4), round(half, 4)
+        mean, half, _ = paired_prompt_difference(scores.tau, scores.sequence, argmax_tau, scores.sequence)
+        summary["tau_selector_gain"], summary["tau_selector_gain_ci95"] = round(mean, 4), round(half, 4)
+        for k in range(scores.in_top_k.shape[1]):
+            exists = scores.valid[:, k]
+            summary[f"slot{k + 1}_topk_recall"] = round(float(scores.in_top_k[exists, k].mean()), 4) if exists.any() else float("nan")
     if categories is not None:
         labels = np.array([categories[s] for s in scores.sequence])
         for category in sorted(set(labels.tolist())):
