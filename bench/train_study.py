@@ -22,6 +22,11 @@ import click
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RECIPES = {
+    # params.yaml's train section as it stands, and the same with DFlash2's additions (issue 16):
+    #   python bench/train_study.py --recipes default,dflash2 --minutes 6 --out bench/results/dflash2_study
+    "default": {},
+    "dflash2": {"architecture": "dflash2"},
+    "dflash2 rank16 k8": {"architecture": "dflash2", "selector_rank": 16, "selector_top_k": 8},
     "baseline B16 lr6e-4 a16": {},
     "data vocab": {"train_vocab": "data"},
     "B8 lr2e-3": {"block_size": 8, "lr": 2e-3},
@@ -116,6 +121,11 @@ def main(hidden, target_json, minutes, eval_every, recipes, out):
         versus = f"{final['tau_vs_first']:+.3f} +- {final['tau_vs_first_ci95']:.3f}" if "tau_vs_first" in final else "(reference)"
         print(f"{final['recipe']:32s} {final['steps']:5d} {final['tau']:8.3f} +- {final['tau_ci95']:.3f} {versus:>18s} "
               f"{final['ddtree8_streak']:8.3f} {final['slot1_acc']:.3f}")
+    for final in (f for f in finals if "tau_argmax" in f):  # DFlash2: what its selector buys on the same blocks
+        recall = [final[f"slot{k}_topk_recall"] for k in range(1, 16) if f"slot{k}_topk_recall" in final]
+        print(f"{final['recipe']}: tau with the selector's walk {final['tau']:.3f}, with each slot's argmax {final['tau_argmax']:.3f} "
+              f"(selector gain {final['tau_selector_gain']:+.3f} +- {final['tau_selector_gain_ci95']:.3f}), oracle over the top-K "
+              f"{final['tau_oracle']:.3f}; top-K recall per slot {recall}")
     with open(out.with_suffix(".csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

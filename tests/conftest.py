@@ -240,3 +240,23 @@ def zlab_draft_model_class():
     if path and not os.path.abspath(sys.modules["dflash.model"].__file__).startswith(os.path.abspath(path) + os.sep):
         pytest.fail(f"DFLASH_ZLAB_PATH={path} has no dflash/model.py; imported {sys.modules['dflash.model'].__file__}")
     return DFlashDraftModel
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_llama_dir):
+    """The tiny Llama with taps on layers 1 and 3, its head, an untrained block-5 drafter for it and a prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.target import LayerTap, TargetHead
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tap = LayerTap(model, [1, 3])
+    head = TargetHead(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, vocab_size=49152, block_size=5,
+                                          target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
+    prompt = [1, 504, 3112, 314, 253, 1345, 30, 2]
+    return model, tap, head, drafter, prompt

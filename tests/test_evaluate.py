@@ -338,23 +338,6 @@ def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def tiny_target(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    from dflash_pipeline.target import LayerTap
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    tap = LayerTap(model, [1, 3])
-    head = TargetHead(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4,
-                                          num_key_value_heads=2, head_dim=16, vocab_size=49152, block_size=5,
-                                          target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
-    prompt = [1, 504, 3112, 314, 253, 1345, 30, 2]
-    return model, tap, head, drafter, prompt
-
-
 def test_untrained_drafter_decodes_losslessly_with_tau_near_one(tiny_target):
     model, tap, head, drafter, prompt = tiny_target
     plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})

@@ -8,11 +8,9 @@ from dflash_pipeline.engine import greedy_decode, keep_path, speculative_decode,
 from dflash_pipeline.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+@pytest.fixture
+def tiny_llama(tiny_target):
+    return tiny_target[0]
 
 
 def plain_logits(model, ids: list[int]) -> torch.Tensor:
@@ -150,22 +148,9 @@ def test_an_eos_inside_the_tree_ends_the_answer_and_a_rejected_tree_commits_the_
 
 
 @pytest.mark.parametrize("budget", [1, 4, 8])
-def test_tree_decoding_with_a_real_drafter_equals_plain_greedy(tiny_llama, budget):
-    from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-    from dflash_pipeline.target import LayerTap, TargetHead
-
-    tap = LayerTap(tiny_llama, [1, 3])
-    head = TargetHead(tiny_llama.get_input_embeddings().weight.detach(), tiny_llama.get_output_embeddings().weight.detach())
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4,
-                                          num_key_value_heads=2, head_dim=16, vocab_size=49152, block_size=5,
-                                          target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
-    prompt = [1, 504, 3112, 314, 253, 1345, 30, 2]
-    try:
-        plain = greedy_decode(tiny_llama, prompt, max_new_tokens=30, eos_ids={2})
-        run = speculative_decode(tiny_llama, tap, drafter, tree_proposer(drafter, head, budget), prompt,
-                                 max_new_tokens=30, eos_ids={2})
-    finally:
-        tap.remove()
+def test_tree_decoding_with_a_real_drafter_equals_plain_greedy(tiny_target, budget):
+    model, tap, head, drafter, prompt = tiny_target
+    plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
+    run = speculative_decode(model, tap, drafter, tree_proposer(drafter, head, budget), prompt, max_new_tokens=30, eos_ids={2})
     assert run.tokens == plain.tokens
     assert run.drafted == budget * len(run.steps)

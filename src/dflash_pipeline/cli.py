@@ -113,24 +113,19 @@ def generated_val(path: Path | None) -> Path | None:
     return path
 
 
-def parse_tree_budgets(ctx, param, value: str) -> list[int]:
-    try:
-        budgets = [int(part) for part in value.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 4,8,16") from None
-    if any(budget < 1 for budget in budgets):
-        raise click.BadParameter(f"{value!r}: every budget must be >= 1")
-    return budgets
+def comma_separated(kind: type, minimum: float, example: str):
+    """A click callback parsing "a,b,c" into a list of `kind`, each at least `minimum`."""
 
+    def parse(context, option, value: str) -> list:
+        try:
+            items = [kind(part) for part in value.split(",") if part.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{value!r} is not a comma-separated list of {kind.__name__}s, e.g. {example}") from None
+        if any(item < minimum for item in items):
+            raise click.BadParameter(f"{value!r}: every value must be >= {minimum:g}")
+        return items
 
-def parse_temperatures(value: str) -> list[float]:
-    try:
-        temperatures = [float(part) for part in value.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers, e.g. 0,1") from None
-    if any(t < 0 for t in temperatures):
-        raise click.BadParameter(f"{value!r}: every temperature must be >= 0")
-    return temperatures
+    return parse
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -147,9 +142,9 @@ def parse_temperatures(value: str) -> list[float]:
                    "categories. Without it, end-to-end decoding is skipped.")
 @click.option("--anchors", type=click.IntRange(min=0), default=DEFAULTS.anchors_per_sequence, show_default=True,
               help="Teacher-forced blocks per val sequence (0: every anchor).")
-@click.option("--tree-budgets", callback=parse_tree_budgets, default=",".join(map(str, DEFAULTS.tree_budgets)), show_default=True,
+@click.option("--tree-budgets", callback=comma_separated(int, 1, "4,8,16"), default=",".join(map(str, DEFAULTS.tree_budgets)), show_default=True,
               help="DDTree node budgets, comma-separated.")
-@click.option("--temperatures", callback=lambda context, option, value: parse_temperatures(value),
+@click.option("--temperatures", callback=comma_separated(float, 0, "0,1"),
               default=",".join(f"{t:g}" for t in DEFAULTS.temperatures), show_default=True,
               help="End-to-end sampling temperatures (0: greedy, always run), comma-separated.")
 @click.option("--e2e-prompts", type=click.IntRange(min=0), default=DEFAULTS.num_prompts, show_default=True,
