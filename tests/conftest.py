@@ -157,6 +157,24 @@ def set_params(repo: Path, **sections) -> None:
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
+@pytest.fixture
+def tiny_pipeline(pipeline_repo, tiny_llama_dir):
+    """`pipeline_repo` on the tiny Llama with params small enough for a whole `dvc repro` in seconds."""
+    prompts = [{"prompt": f"Give me fact number {i} about the number {i * 7}.", "category": "chat"} for i in range(30)]
+    write_jsonl(pipeline_repo / "data" / "prompts" / "small.jsonl", SAMPLE_PROMPTS + prompts)
+    set_params(
+        pipeline_repo,
+        target={"model": str(tiny_llama_dir)},
+        generate={"prompts": "data/prompts/small.jsonl", "max_prompts": 8, "max_new_tokens": 8, "batch_size": 4},
+        capture={"layer_ids": [1, 3], "shard_mb": 1},
+        # The tiny random target answers every prompt with token 198 repeated: a draft vocabulary of
+        # that one token makes every loss exactly 0, so these DVC tests train over the full vocabulary.
+        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "eval_blocks": 16, "tokens_per_step": 256, "train_vocab": "full"},
+        evaluate={"anchors_per_sequence": 4, "num_prompts": 1, "max_new_tokens": 6},
+    )
+    return pipeline_repo
+
+
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` by relative path: two equal results mean byte-identical trees."""
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(Path(folder).rglob("*")) if path.is_file()}

@@ -3,27 +3,9 @@
 import json
 
 import pyarrow.parquet as pq
-import pytest
 
-from conftest import SAMPLE_PROMPTS, run, set_params, start_then_kill_9, write_jsonl
+from conftest import run, set_params, start_then_kill_9
 from dflash_pipeline.shards import open_split
-
-
-@pytest.fixture
-def tiny_pipeline(pipeline_repo, tiny_llama_dir):
-    prompts = [{"prompt": f"Give me fact number {i} about the number {i * 7}.", "category": "chat"} for i in range(30)]
-    write_jsonl(pipeline_repo / "data" / "prompts" / "small.jsonl", SAMPLE_PROMPTS + prompts)
-    set_params(
-        pipeline_repo,
-        target={"model": str(tiny_llama_dir)},
-        generate={"prompts": "data/prompts/small.jsonl", "max_prompts": 8, "max_new_tokens": 8, "batch_size": 4},
-        capture={"layer_ids": [1, 3], "shard_mb": 1},
-        # The tiny random target answers every prompt with token 198 repeated: a draft vocabulary of
-        # that one token makes every loss exactly 0, so these DVC tests train over the full vocabulary.
-        train={"max_steps": 4, "eval_every": 2, "save_every": 2, "eval_blocks": 16, "tokens_per_step": 256, "train_vocab": "full"},
-        evaluate={"anchors_per_sequence": 4, "num_prompts": 1, "max_new_tokens": 6},
-    )
-    return pipeline_repo
 
 
 def dvc(repo, *args, check=True):
