@@ -1,0 +1,102 @@
+"""Capture and train across several machines, as far as one machine can show it: two torchrun
+"nodes" (two gloo processes each) launched at the same time, meeting on localhost.
+
+Each node is its own `torchrun --nnodes 2 --nproc_per_node 2 ...`, the README's multi-node recipe
+with localhost for the head node's address, in both of its rendezvous forms: static (`--node_rank`,
+`--master_addr`, `--master_port`; the capture test) and c10d (`--rdzv-backend c10d`, which assigns
+node ranks itself; the train test). The outcome must be the single-process one: capture's shards
+byte-identical, train's curve and final weights the same with the same global batch. Both nodes
+write into one folder, as nodes sharing a filesystem do (the recipe's requirement).
+"""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import run, stage_env, write_generated
+from dflash_pipeline.checkpoints import load_checkpoint
+from dflash_pipeline.shards import open_split
+from test_capture import _assert_same_split, _capture_cmd, _params
+from test_train import _stage_cmd
+
+NODES, PROCESSES_PER_NODE = 2, 2
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def static_node(node_rank: int, port: int) -> tuple[str, ...]:
+    """torchrun for one node with a fixed node rank; node 0 hosts the rendezvous and holds global rank 0."""
+    return (sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--node_rank", str(node_rank),
+            "--nproc_per_node", str(PROCESSES_PER_NODE), "--master_addr", "127.0.0.1", "--master_port", str(port))
+
+
+def c10d_node(node_rank: int, port: int) -> tuple[str, ...]:
+    """torchrun for one node of an elastic c10d rendezvous: the same command on every node (the
+    rendezvous picks node ranks, so `node_rank` is unused), the head's address as the endpoint."""
+    return (sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc_per_node", str(PROCESSES_PER_NODE),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dflash-test",
+            "--local-addr", "127.0.0.1")
+
+
+def run_on_two_nodes(node_launcher, make_cmd, cwd, timeout: float = 300) -> list[str]:
+    """Start one torchrun per node at once (`make_cmd(launcher)` builds the stage command), wait for
+    both, fail with both outputs when either fails; return each node's output."""
+    port = free_port()
+    nodes = [subprocess.Popen(make_cmd(node_launcher(node_rank, port)), cwd=cwd, env=stage_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for node_rank in range(NODES)]
+    try:
+        outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    if any(node.returncode != 0 for node in nodes):
+        raise AssertionError("\n".join(f"node {i} exited {node.returncode}:\n{out}" for i, (node, out) in enumerate(zip(nodes, outputs))))
+    return outputs
+
+
+def test_two_nodes_of_two_processes_write_the_same_shards_as_one_process(tiny_run, tmp_path):
+    _, root = tiny_run
+    target_json = root / "target" / "target.json"
+    generated = write_generated(tmp_path / "generated", {"train": 90, "val": 9}, answer_len=(10, 120))
+    params = _params(tmp_path, layer_ids=[0, 3], shard_mb=1, batch_tokens=2048)
+    run(_capture_cmd(params, generated, target_json, tmp_path / "single"), cwd=tmp_path)
+    outputs = run_on_two_nodes(static_node, lambda launcher: _capture_cmd(params, generated, target_json, tmp_path / "nodes", launcher=launcher),
+                               tmp_path)
+    # Enough shards that every one of the four ranks wrote some: shard n belongs to global rank n % 4.
+    assert len(open_split(tmp_path / "nodes" / "train").manifest.shards) >= NODES * PROCESSES_PER_NODE
+    _assert_same_split(tmp_path / "single", tmp_path / "nodes")
+    # Global rank 0 (node 0's first process) alone reports and writes the manifests: node 1 says nothing of it.
+    assert "capture train: 90 sequences" in outputs[0] and "shard(s) written" in outputs[0], outputs[0]
+    assert "capture train" not in outputs[1] and "shard(s) written" not in outputs[1], outputs[1]
+
+
+def test_two_nodes_of_two_processes_train_the_same_curve_and_weights_as_one_process(tiny_run, tmp_path):
+    single = tmp_path / "single" / "ck"
+    run(_stage_cmd(tmp_path, tiny_run, single, max_steps=4, eval_every=4, save_every=4), cwd=tmp_path)
+    nodes = tmp_path / "nodes" / "ck"
+    outputs = run_on_two_nodes(c10d_node, lambda launcher: _stage_cmd(tmp_path, tiny_run, nodes, launcher=launcher, max_steps=4,
+                                                                      eval_every=4, save_every=4), tmp_path)
+    # One job of four ranks, not two jobs of two: global rank 0 alone reports, and sees four.
+    assert [f"on cpu x{NODES * PROCESSES_PER_NODE}," in output for output in outputs].count(True) == 1, outputs
+    assert not any(f"on cpu x{PROCESSES_PER_NODE}," in output for output in outputs), outputs
+    one = load_checkpoint(single / "step_000004")[0].state_dict()
+    four = load_checkpoint(nodes / "step_000004")[0].state_dict()
+    assert one.keys() == four.keys()
+    for name in one:
+        # Four ranks add the same gradients in another order: equal up to float rounding.
+        torch.testing.assert_close(four[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+    curve_one = json.loads((single / "state.json").read_text())["curve"]
+    curve_four = json.loads((nodes / "state.json").read_text())["curve"]
+    assert [r["step"] for r in curve_four] == [r["step"] for r in curve_one]
+    assert [r["loss"] for r in curve_four] == pytest.approx([r["loss"] for r in curve_one], rel=1e-4)
+    assert curve_four[-1]["tau"] == pytest.approx(curve_one[-1]["tau"], rel=1e-4)
