@@ -100,3 +100,46 @@ def test_two_nodes_of_two_processes_train_the_same_curve_and_weights_as_one_proc
     assert [r["step"] for r in curve_four] == [r["step"] for r in curve_one]
     assert [r["loss"] for r in curve_four] == pytest.approx([r["loss"] for r in curve_one], rel=1e-4)
     assert curve_four[-1]["tau"] == pytest.approx(curve_one[-1]["tau"], rel=1e-4)
+
+
+def test_capture_refuses_a_manifest_when_another_nodes_shards_are_not_in_its_folder(tiny_run, tmp_path):
+    """Rank 0 of two, with rank 1 writing to a disk rank 0 cannot see (simulated: rank 1 never runs here)."""
+    from dflash_pipeline.capture import capture_split, load_sequences
+    from dflash_pipeline.config import CaptureConfig
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.target import LayerTap, load_target
+
+    target, _ = tiny_run
+    generated = write_generated(tmp_path / "generated", {"train": 90}, answer_len=(10, 120))
+    sequences, stats = load_sequences(generated / "train.parquet", max_length=2048, on_too_long="truncate")
+    model, _ = load_target(target)
+    tap = LayerTap(model, [0, 3])
+    out = tmp_path / "hidden" / "train"
+    with pytest.raises(PipelineError, match=r"shard-00001\.arrow: written by rank 1 of 2 but not visible to rank 0 "
+                                            r"\(2 shard\(s\) absent\); on several machines --out must be a folder all nodes share"):
+        capture_split(sequences, stats, split="train", model=model, tap=tap, target=target,
+                      config=CaptureConfig(layer_ids=[0, 3], shard_mb=1, batch_tokens=2048), layer_ids=[0, 3], out_dir=out,
+                      pad_id=2, rank=0, world=2, barrier=lambda: None)
+    tap.remove()
+    assert not (out / "manifest.json").exists()
+
+
+def test_train_refuses_ranks_that_would_resume_at_different_steps(tiny_run, tmp_path):
+    """Nodes without a shared --out: rank 0's folder holds a finished run, rank 1's is empty (each
+    rank gets its own folder through a wrapper). Resuming the first and starting the second afresh
+    would train two models in lockstep; every rank must stop with the reason instead."""
+    run(_stage_cmd(tmp_path, tiny_run, tmp_path / "ck-rank0", max_steps=4, eval_every=4, save_every=2), cwd=tmp_path)
+    wrapper = tmp_path / "own_out_per_rank.py"
+    wrapper.write_text("import os, runpy, sys\n"
+                       "args = sys.argv[1:]\n"
+                       "args[args.index('--out') + 1] += f\"-rank{os.environ['RANK']}\"\n"
+                       "sys.argv = args\n"
+                       "runpy.run_path(args[0], run_name='__main__')\n")
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                str(wrapper))
+    result = run(_stage_cmd(tmp_path, tiny_run, tmp_path / "ck", launcher=torchrun, max_steps=4, eval_every=4, save_every=2),
+                 cwd=tmp_path, check=False)
+    assert result.returncode != 0
+    message = "error: train: ranks would resume at different steps (0 to 4): on several machines --out must be a folder all nodes share"
+    assert (result.stdout + result.stderr).count(message) == 2, result.stdout + result.stderr
+    assert not (tmp_path / "ck-rank1").exists() or not list((tmp_path / "ck-rank1").glob("step_*"))

@@ -403,6 +403,12 @@ def capture_split(
         barrier()
     if rank != 0:
         return None, {}
+    absent = [n for n in range(len(plan.shards)) if not (out_dir / _shard_name(n)).is_file()]
+    if absent:
+        # Every rank has finished its shards: one rank 0 cannot see was written to another machine's disk.
+        raise PipelineError(f"{out_dir / _shard_name(absent[0])}: written by rank {absent[0] % world} of {world} but not "
+                            f"visible to rank 0 ({len(absent)} shard(s) absent); on several machines --out must be "
+                            "a folder all nodes share")
     manifest = _write_manifest(plan, sequences, stats, split=split, out_dir=out_dir, target=target, layer_ids=layer_ids,
                                feature_dtype=config.feature_dtype)
     return manifest, {"shards_written": len(missing), "shards_kept": len(plan.shards) - len(missing),

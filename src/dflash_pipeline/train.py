@@ -244,6 +244,18 @@ def _listed(skipped: list[str], limit: int = 2) -> str:
     return "; ".join(skipped[:limit]) + (f"; and {len(skipped) - limit} more" if len(skipped) > limit else "")
 
 
+def _check_every_rank_resumes_at(step: int, *, device: str) -> None:
+    """Fail on every rank unless all ranks resume at the same step: ranks that see different
+    checkpoints (nodes without a shared --out) would otherwise train different models in lockstep."""
+    import torch.distributed as dist
+
+    steps = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # [largest step, -smallest step]
+    if steps[0] != -steps[1]:
+        raise PipelineError(f"train: ranks would resume at different steps ({int(-steps[1])} to {int(steps[0])}): "
+                            "on several machines --out must be a folder all nodes share")
+
+
 def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
     """Continue from the newest intact checkpoint of this run configuration (saying which newer ones
     were passed over and why, then removing those), or start fresh and remove what is there."""
@@ -251,6 +263,7 @@ def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
 
     point = load_resume_state(out_dir, run.record) if run.config.resume else None
     if run.world > 1:
+        _check_every_rank_resumes_at(point.state["step"] if point is not None and point.state is not None else 0, device=run.device)
         dist.barrier()  # every rank has looked before rank 0 removes anything
     if point is not None and point.state is not None:
         state = point.state
