@@ -110,8 +110,13 @@ def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(tiny_p
     assert decoding_modes <= set(next(iter(shown.values()))["data"]["data/metrics/eval.json"]["data"])
     assert (repo / "data" / "export" / "drafter" / "config.json").is_file()
 
-    # the experiment also switches to DFlash2: trained, scored with its selector and exported in its contract
-    experiment = dvc(repo, "exp", "run", "-S", "train.lr=0.01", "-S", "evaluate.anchors_per_sequence=6", "-S", "train.architecture=dflash2")
+    # the default, DFlash2: trained, scored with its selector and exported in its contract
+    assert {"tau_argmax", "tau_oracle", "tau_selector_gain", "slot1_topk_recall"} <= set(baseline_eval)
+    assert baseline_eval["tau_oracle"] >= baseline_eval["tau"]
+    assert json.loads((repo / "data" / "export" / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+
+    # the experiment also switches back to DFlash
+    experiment = dvc(repo, "exp", "run", "-S", "train.lr=0.01", "-S", "evaluate.anchors_per_sequence=6", "-S", "train.architecture=dflash")
     for stage in ("train", "evaluate", "export"):
         assert f"Running stage '{stage}'" in experiment.stdout
     for stage in ("target", "generate", "capture"):
@@ -124,10 +129,9 @@ def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(tiny_p
     assert train_loss["old"] != train_loss["new"]
     blocks = metrics["data/metrics/eval.json"]["blocks"]
     assert blocks["new"] > blocks["old"]  # more anchors per val sequence: more blocks scored
-    dflash2_eval = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
-    assert {"tau_argmax", "tau_oracle", "tau_selector_gain", "slot1_topk_recall"} <= set(dflash2_eval)
-    assert dflash2_eval["lossless_rate"] == 1.0 and dflash2_eval["tau_oracle"] >= dflash2_eval["tau"]
-    assert json.loads((repo / "data" / "export" / "drafter" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    dflash_eval = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
+    assert "tau_argmax" not in dflash_eval and dflash_eval["lossless_rate"] == 1.0
+    assert json.loads((repo / "data" / "export" / "drafter" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     shown = dvc(repo, "exp", "show", "--csv").stdout
     assert "0.01" in shown.splitlines()[-1] or any("0.01" in line for line in shown.splitlines()[1:])
 

@@ -139,7 +139,7 @@ class TrainConfig:
     # "dflash", or "dflash2": DFlash plus a block-local convolution around every sublayer and a
     # candidate selector that walks one path through each slot's top-K (the keys below size it;
     # "dflash" ignores them and leaves them out of the run's record, so its checkpoints resume).
-    architecture: str = "dflash"
+    architecture: str = "dflash2"
     # Taps of the convolution (2: a slot and its predecessor in the block, as released).
     conv_kernel_size: int = 2
     # Channels that share one content-adaptive kernel; must divide the target's hidden size.
