@@ -161,13 +161,23 @@ def test_stage_writes_verified_shards_and_kill_9_resume_is_byte_identical(tiny, 
         torch.testing.assert_close(sample.features.float(), expected, rtol=1e-2, atol=1e-2)
         assert (sample.target_next == out.logits[0].argmax(-1).int()).float().mean() > 0.99
 
-    killed = tmp_path / "killed"
+    # A killed run leaves its finished shards in killed.partial and no output: the output folder
+    # appears only whole, so DVC never sees (or caches) half a capture.
+    killed, staging = tmp_path / "killed", tmp_path / "killed.partial"
+    assert not staging.exists()
     start_then_kill_9(_capture_cmd(params, generated, target_json, killed), tmp_path,
-                      lambda: len(list((killed / "train").glob("shard-*.arrow"))) >= 2)
-    done = len(list((killed / "train").glob("shard-*.arrow")))
-    assert 2 <= done < len(manifest.shards) and not (killed / "train" / "manifest.json").exists()
+                      lambda: len(list((staging / "train").glob("shard-*.arrow"))) >= 2)
+    done = len(list((staging / "train").glob("shard-*.arrow")))
+    assert 2 <= done < len(manifest.shards) and not (staging / "train" / "manifest.json").exists()
+    assert not killed.exists()
     resumed = run(_capture_cmd(params, generated, target_json, killed), cwd=tmp_path)
     assert f"{done} already done" in resumed.stdout
+    assert not staging.exists()
+    _assert_same_split(reference, killed)
+
+    # Run again by hand (outside DVC): the finished output is the starting point, nothing is rewritten.
+    repeat = run(_capture_cmd(params, generated, target_json, killed), cwd=tmp_path)
+    assert f"{len(manifest.shards)} shard(s), {len(manifest.shards)} already done" in repeat.stdout, repeat.stdout
     _assert_same_split(reference, killed)
 
     # Other settings discard old shards instead of mixing them in.
@@ -277,8 +287,10 @@ def test_a_corrupted_shard_is_rebuilt_not_recorded(tiny, tmp_path, capsys, monke
     with pytest.raises(KeyboardInterrupt):
         capture()
     monkeypatch.undo()
-    assert shard.is_file() and (split / "shard-00000.arrow.sha256").is_file() and not (split / "manifest.json").exists()
-    _flip_a_feature_byte(shard)
+    staged = tmp_path / "hidden.partial" / "train"  # an unfinished run's shards wait beside the output
+    assert not out.exists()
+    assert (staged / shard.name).is_file() and (staged / "shard-00000.arrow.sha256").is_file() and not (staged / "manifest.json").exists()
+    _flip_a_feature_byte(staged / shard.name)
     printed = capture()
     assert "shard-00000.arrow (sha256 differs from shard-00000.arrow.sha256)" in printed, printed
     assert shard.read_bytes() == original

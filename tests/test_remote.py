@@ -7,6 +7,7 @@ the endpoint goes to `.dvc/config.local` (`dvc remote modify --local`), the cred
 the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), as the README's team setup says.
 """
 
+import hashlib
 import importlib.util
 import os
 import socket
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import folder_bytes, run, stage_env
+from conftest import folder_bytes, run, set_params, stage_env
 
 ACCESS_KEY = "AKIATESTTEAMREMOTE01"
 SECRET_KEY = "team-remote-secret-never-in-git-0123456789"
 BUCKET = "dflash-team"
 # Every cached output of the pipeline: what `dvc push` sends and `dvc pull` must bring back.
-CACHED_OUTPUTS = ("data/generated", "data/hidden", "data/checkpoints", "data/eval", "data/export/drafter")
+CACHED_OUTPUTS = ("data/target", "data/generated", "data/hidden", "data/checkpoints", "data/eval", "data/export/drafter")
 
 
 def missing(message: str) -> None:
@@ -118,23 +119,50 @@ def test_a_pushed_run_pulled_into_a_fresh_clone_needs_no_recompute(tiny_pipeline
     for output in CACHED_OUTPUTS:
         assert folder_bytes(clone / output) == folder_bytes(repo / output) != {}, f"{output} differs after dvc pull"
 
-    # data/target is uncached on purpose (it points at, or converts, the target model itself, which is
-    # never pushed), so in the clone it is all that is missing: `dvc status` names nothing else.
-    status = dvc(clone, "status", env=env).stdout
-    changes = {" ".join(line.split()) for line in status.splitlines() if line.strip() and not line.strip().endswith(":")}
-    assert changes == {"deleted: data/target", "deleted: data/target/target.json"}, status
-    # Rerunning `target` refingerprints the same model; target.json comes out byte-identical, so
-    # every later stage stays up to date: the pulled run is reused, not recomputed.
-    repro = dvc(clone, "repro", env=env)
-    assert "Running stage 'target'" in repro.stdout
-    for stage in ("generate", "capture", "train", "evaluate", "export"):
-        assert f"Running stage '{stage}'" not in repro.stdout, repro.stdout
-    assert (clone / "data/target/target.json").read_bytes() == (repo / "data/target/target.json").read_bytes()
-
+    # Every stage's outputs, data/target included, came from the remote: nothing is stale, nothing reruns.
     assert dvc(clone, "status", env=env).stdout.strip().endswith("Data and pipelines are up to date.")
+    assert (clone / "data/target/target.json").read_bytes() == (repo / "data/target/target.json").read_bytes()
     assert "Running stage" not in dvc(clone, "repro", env=env).stdout
     metrics = sorted(path.name for path in (repo / "data" / "metrics").glob("*.json"))
     assert metrics == ["capture.json", "eval.json", "generate.json", "train.json"]
     for name in metrics:
         assert (clone / "data/metrics" / name).read_bytes() == (repo / "data/metrics" / name).read_bytes(), name
     assert run(["git", "status", "--porcelain"], clone).stdout == ""
+
+
+def cache_files(repo: Path) -> list[Path]:
+    return [path for path in (repo / ".dvc" / "cache" / "files" / "md5").rglob("*") if path.is_file()]
+
+
+def test_the_committed_link_type_stores_each_output_once_and_protects_the_cache(tiny_pipeline):
+    """`.dvc/config` puts hardlink first: a freshly committed output becomes a read-only hard link to
+    its cache file (one copy on disk, not two). Rerunning stages, one whose output DVC deletes first
+    (capture) and one whose persisted output it unprotects (train resumes from its checkpoints),
+    leaves every cache file equal to its hash: the writers replace files by rename, never in place."""
+    repo = tiny_pipeline
+    env = stage_env()
+    dvc(repo, "repro", env=env)
+    cached = {path.stat().st_ino: path for path in cache_files(repo)}
+    outputs = [path for name in ("data/hidden", "data/checkpoints", "data/eval") for path in (repo / name).rglob("*") if path.is_file()]
+    assert len(outputs) > 10
+    for path in outputs:
+        info = path.stat()
+        assert info.st_ino in cached, f"{path} is a second copy, not a link to the DVC cache"
+        assert info.st_mode & 0o222 == 0, f"{path} is writable: an edit would go straight into the cache"
+
+    set_params(repo, capture={"batch_tokens": 4096}, train={"max_steps": 6})
+    rerun = dvc(repo, "repro", env=env).stdout
+    assert "Running stage 'capture'" in rerun and "Running stage 'train'" in rerun
+    assert (repo / "data/checkpoints/step_000006").is_dir()
+    for path in cache_files(repo):
+        digest = hashlib.md5(path.read_bytes()).hexdigest()
+        name = path.parent.name + path.name.removesuffix(".dir")
+        assert digest == name, f"cache file {path} no longer holds the bytes of its hash"
+    # A rerun that reproduces a file byte for byte leaves it as a second copy: DVC links only objects
+    # new to the cache (treeverse/dvc#10549). `make repro` ends with the relink that frees that space.
+    rerun_outputs = [path for name in ("data/hidden", "data/checkpoints") for path in (repo / name).rglob("*") if path.is_file()]
+    dvc(repo, "checkout", "--relink", env=env)
+    cached = {path.stat().st_ino for path in cache_files(repo)}
+    for path in rerun_outputs:
+        assert path.stat().st_ino in cached and path.stat().st_mode & 0o222 == 0, f"{path} is not a read-only link to the cache"
+    assert dvc(repo, "status", env=env).stdout.strip().endswith("Data and pipelines are up to date.")

@@ -16,6 +16,13 @@ decides what goes where, so a rerun after kill -9 skips the shards already renam
 and rewrites the rest byte for byte the same, and under torchrun rank r simply takes shards
 r, r + world, ... of the same plan (rank 0 writes the manifests once all ranks are done).
 
+The run works in `<out>.partial/` beside the output and renames it to `<out>` once both splits
+are done: a killed run's shards wait there for the rerun, so the DVC output need not be
+`persist`ed. That matters at scale: before rerunning a stage DVC copies every file of a persisted
+output out of its cache (`dvc unprotect`, a full copy of the shards when they are hard links),
+while a plain output is deleted, which only unlinks (bench/dvc_costs.py). A run outside DVC
+that finds a finished `<out>` and no `.partial` starts from it, so its shards are reused as before.
+
 A shard already there is kept only when its sha256 equals a record made when it was written:
 its `.sha256` file (a run not finished yet) or the previous manifest (a finished one; both are
 only ever left by a run of this same capture record, since other settings empty the folder).
@@ -415,9 +422,30 @@ def capture_split(
                       "tokens_written": sum(plan.shard_tokens[n] for n in missing)}
 
 
+def staging_dir(out_dir: Path) -> Path:
+    """Where a capture into `out_dir` works until both splits are done (module docstring)."""
+    return out_dir.with_name(out_dir.name + ".partial")
+
+
+def _adopt_finished_output(out_dir: Path, work_dir: Path) -> None:
+    """Rank 0, before any rank writes: with no interrupted run to resume, a finished output (a run
+    outside DVC; DVC deletes its own before the stage) becomes the starting point, moved, not copied.
+    Files linked to the DVC cache stay safe: capture replaces files by rename, never edits one."""
+    if out_dir.is_dir() and not work_dir.exists():
+        os.replace(out_dir, work_dir)
+
+
+def _publish(work_dir: Path, out_dir: Path) -> None:
+    """Rank 0, after every rank finished: the whole output appears under its name in one rename."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(work_dir, out_dir)
+
+
 def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str) -> dict:
     """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0):
-    what the shards hold under "splits", and this run's work and timings under "this_run"."""
+    what the shards hold under "splits", and this run's work and timings under "this_run".
+    The work happens in `staging_dir(out_dir)`, renamed to `out_dir` at the end."""
     import torch
     import torch.distributed as dist
 
@@ -438,13 +466,17 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
         model, tokenizer = load_target(target, device=device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         tap = LayerTap(model, layer_ids)
+        out_dir = Path(out_dir)
+        work_dir = staging_dir(out_dir)
+        if rank == 0:
+            _adopt_finished_output(out_dir, work_dir)
         summary = {"layer_ids": layer_ids, "splits": {}, "this_run": {}}
         for split in SPLITS:
             sequences, stats = load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
             started = time.perf_counter()
             manifest, written = capture_split(
                 sequences, stats, split=split, model=model, tap=tap, target=target, config=config,
-                layer_ids=layer_ids, out_dir=out_dir / split, pad_id=pad_id, rank=rank, world=world, barrier=barrier,
+                layer_ids=layer_ids, out_dir=work_dir / split, pad_id=pad_id, rank=rank, world=world, barrier=barrier,
             )
             if manifest is not None:
                 seconds = time.perf_counter() - started
@@ -462,6 +494,8 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
                     "tokens_per_s": round(written["tokens_written"] / seconds, 1) if written["tokens_written"] else None,
                 }
         tap.remove()
+        if rank == 0:
+            _publish(work_dir, out_dir)
         summary["config"] = as_dict(config)
         return summary
     finally:

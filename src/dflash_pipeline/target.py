@@ -13,7 +13,8 @@ both).
 
 Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
 weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
-different target makes them stale and nothing else does; large weights never enter the DVC cache.
+different target makes them stale and nothing else does. The DVC cache holds only what the stage
+writes: the embedded default's conversion, never a user's own folder or the Hugging Face cache.
 
 Also the target's pieces that other modules use: which layers feed the drafter (`build_target_layer_ids`)
 and the hooks that read them (`LayerTap`), and the frozen embedding and LM head (`TargetHead`, read
