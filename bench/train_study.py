@@ -27,6 +27,13 @@ RECIPES = {
     "default": {},
     "dflash2": {"architecture": "dflash2"},
     "dflash2 rank16 k8": {"architecture": "dflash2", "selector_rank": 16, "selector_top_k": 8},
+    # the DFlash2 selector's sizes, around the default (params.yaml is dflash2 now, so "default" is its baseline):
+    # at equal steps (a weight costs nothing per step; probing each recipe's step time is noisy):
+    #   python bench/train_study.py --recipes default,"selector w0.5","selector w2","selector rank128" --steps 1200 \
+    #       --out bench/results/selector_study
+    "selector w0.5": {"selector_weight": 0.5},
+    "selector w2": {"selector_weight": 2.0},
+    "selector rank128": {"selector_rank": 128},
     "baseline B16 lr6e-4 a16": {},
     "data vocab": {"train_vocab": "data"},
     "B8 lr2e-3": {"block_size": 8, "lr": 2e-3},
@@ -63,10 +70,12 @@ RECIPES = {
 @click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--minutes", default=4.0, show_default=True, help="Training budget per recipe.")
+@click.option("--steps", "fixed_steps", type=int, default=None,
+              help="Train every recipe this many steps instead (equal steps, not equal time: for recipes whose step costs the same).")
 @click.option("--eval-every", default=25, show_default=True)
 @click.option("--recipes", default=",".join(RECIPES), show_default=True, help="Comma-separated recipe names.")
 @click.option("--out", type=click.Path(path_type=Path), default="bench/results/train_study", show_default=True)
-def main(hidden, target_json, minutes, eval_every, recipes, out):
+def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
     import json
 
     import torch
@@ -87,13 +96,15 @@ def main(hidden, target_json, minutes, eval_every, recipes, out):
     rows, finals, reference = [], [], None
     for name in recipes.split(","):
         overrides = RECIPES[name]
-        # Steps sized from a measured step time so the cosine schedule ends near the budget.
-        probe = replace(base, max_steps=6, eval_every=10**6, save_every=10**6, **overrides)
-        with tempfile.TemporaryDirectory() as scratch:
-            curve = train_module.run_train(probe, target=target, train_dir=hidden / "train", val_dir=hidden / "val",
-                                           out_dir=Path(scratch), device="cpu", log=lambda *_: None)["curve"]
-        step_seconds = (curve[-1]["seconds"] - curve[0]["seconds"]) / (len(curve) - 1)
-        steps = max(10, int(minutes * 60 / step_seconds))
+        if fixed_steps:
+            steps = fixed_steps
+        else:  # steps sized from a measured step time so the cosine schedule ends near the budget
+            probe = replace(base, max_steps=6, eval_every=10**6, save_every=10**6, **overrides)
+            with tempfile.TemporaryDirectory() as scratch:
+                curve = train_module.run_train(probe, target=target, train_dir=hidden / "train", val_dir=hidden / "val",
+                                               out_dir=Path(scratch), device="cpu", log=lambda *_: None)["curve"]
+            step_seconds = (curve[-1]["seconds"] - curve[0]["seconds"]) / (len(curve) - 1)
+            steps = max(10, int(minutes * 60 / step_seconds))
         config = replace(base, max_steps=steps, eval_every=eval_every, save_every=10**6, **overrides)
         with tempfile.TemporaryDirectory() as scratch:
             result = train_module.run_train(config, target=target, train_dir=hidden / "train", val_dir=hidden / "val",
