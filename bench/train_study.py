@@ -3,7 +3,8 @@
     python bench/train_study.py --minutes 4 --out bench/results/train_study
 
 Needs the `capture` stage's shards (dvc repro capture). Each recipe trains from scratch on the
-same shards for the same wall-clock budget, in this one process, one after another; tau is
+same shards for the same wall-clock budget (sized from a 6-step probe of its step time), or with
+--steps for the same number of steps, in this one process, one after another; tau is
 measured on the same fixed validation blocks every --eval-every steps. Each recipe's final drafter
 is then scored as `evaluate` scores it (every val prompt, `evaluate.anchors_per_sequence` anchors,
 DDTree-8) and compared with the FIRST recipe by the paired difference over prompts (same blocks),
@@ -27,8 +28,8 @@ RECIPES = {
     "default": {},
     "dflash2": {"architecture": "dflash2"},
     "dflash2 rank16 k8": {"architecture": "dflash2", "selector_rank": 16, "selector_top_k": 8},
-    # the DFlash2 selector's sizes, around the default (params.yaml is dflash2 now, so "default" is its baseline):
-    # at equal steps (a weight costs nothing per step; probing each recipe's step time is noisy):
+    # the DFlash2 selector's sizes around the default (params.yaml is dflash2 now, so "default" is their baseline),
+    # at equal steps: a weight costs nothing per step, and a cold first probe misjudges the step time
     #   python bench/train_study.py --recipes default,"selector w0.5","selector w2","selector rank128" --steps 1200 \
     #       --out bench/results/selector_study
     "selector w0.5": {"selector_weight": 0.5},
