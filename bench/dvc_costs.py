@@ -291,6 +291,8 @@ def main() -> None:
 
     total_bytes = int(args.gb * (1 << 30))
     env = {**os.environ, **CREDENTIALS, "DVC_NO_ANALYTICS": "1"}
+    # The dvc of this interpreter's environment, whether or not that venv is activated.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
     configs = [(f"hardlink-{mb}mb", COMMITTED_LINK_TYPES, int(mb)) for mb in args.shard_mb.split(",")]
