@@ -42,7 +42,7 @@ def _plain_forward(model, batches, pad_id):
 
 def _capture(model, tap, batches, pad_id, folder: Path, width: int):
     from dflash_pipeline.capture import forward_batch
-    from dflash_pipeline.shards import ShardWriter
+    from dflash_pipeline.data.shards import ShardWriter
 
     writer = ShardWriter(folder / "shard-00000.arrow", feature_dtype="bf16", feature_width=width)
     for batch in batches:
@@ -52,7 +52,7 @@ def _capture(model, tap, batches, pad_id, folder: Path, width: int):
 
 
 def _write_split(samples, folder: Path, width: int, copies: int = 1):
-    from dflash_pipeline.shards import Manifest, ShardWriter
+    from dflash_pipeline.data.shards import Manifest, ShardWriter
 
     folder.mkdir(parents=True)
     writer = ShardWriter(folder / "shard-00000.arrow", feature_dtype="bf16", feature_width=width)
@@ -88,7 +88,7 @@ def _read_all_shards(folder: Path, order, staging=None):
     (every byte read, as a GPU trainer's host-to-device staging does). Without it the samples
     are zero-copy views of the mapped shard, which is what the CPU trainer consumes: its `fc`
     projects each sequence's view directly (`DFlashDrafter.project_context`)."""
-    from dflash_pipeline.shards import open_split
+    from dflash_pipeline.data.shards import open_split
 
     dataset = open_split(folder, verify="none")
     for index in order:
@@ -129,10 +129,10 @@ def main(target_json, generated, count, rounds, scratch):
 
     from dflash_pipeline.capture import load_sequences, plan_shards
     from dflash_pipeline.devices import timed
-    from dflash_pipeline.target import LayerTap, build_target_layer_ids
+    from dflash_pipeline.target.load import LayerTap, build_target_layer_ids
     from dflash_pipeline.files import sha256_file
-    from dflash_pipeline.shards import bytes_per_token, open_split
-    from dflash_pipeline.target import TargetInfo, load_target
+    from dflash_pipeline.data.shards import bytes_per_token, open_split
+    from dflash_pipeline.target.load import TargetInfo, load_target
 
     info = TargetInfo.from_json(target_json)
     model, tokenizer = load_target(info)
@@ -168,7 +168,7 @@ def main(target_json, generated, count, rounds, scratch):
     print(f"2. shard bytes {shard.bytes:,} / payload {payload:,} = {shard.bytes / payload:.4f} (goal <= 1.02)")
 
     # 3. Reading, same data in both layouts.
-    from dflash_pipeline.shards import Manifest
+    from dflash_pipeline.data.shards import Manifest
 
     split = scratch / "split-1x"
     shutil.copytree(scratch / "capture-0", split)

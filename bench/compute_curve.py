@@ -34,12 +34,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every, seconds_per_step, out):
     from dataclasses import replace
 
-    from dflash_pipeline.checkpoints import list_checkpoints
+    from dflash_pipeline.drafters.checkpoints import list_checkpoints
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.evaluate import decode_end_to_end, load_candidates, score_candidates, sequence_categories
+    from dflash_pipeline.evaluate.run import decode_end_to_end, load_candidates, score_candidates, sequence_categories
     from dflash_pipeline.files import read_json
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.target import TargetInfo, load_target_head
+    from dflash_pipeline.data.shards import open_split
+    from dflash_pipeline.target.load import TargetInfo, load_target_head
 
     import torch
 

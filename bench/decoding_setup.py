@@ -39,12 +39,12 @@ class DecodingSetup:
 def load_decoding_setup(checkpoint, hidden: Path, generated: Path, target_json: Path, num_prompts: int, device: str) -> DecodingSetup:
     import torch
 
-    from dflash_pipeline.checkpoints import load_checkpoint
+    from dflash_pipeline.drafters.checkpoints import load_checkpoint
     from dflash_pipeline.devices import bf16_by_default
-    from dflash_pipeline.evaluate import val_prompts
+    from dflash_pipeline.evaluate.run import val_prompts
     from dflash_pipeline.files import read_json
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.target import LayerTap, TargetInfo, load_target, load_target_head
+    from dflash_pipeline.data.shards import open_split
+    from dflash_pipeline.target.load import LayerTap, TargetInfo, load_target, load_target_head
 
     target = TargetInfo.from_json(target_json)
     checkpoint = checkpoint or Path(read_json(Path("data/eval/best.json"), missing="no data/eval/best.json: pass --checkpoint")["path"])

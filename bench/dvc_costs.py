@@ -55,7 +55,7 @@ def write_synthetic_split(folder: Path, *, total_bytes: int, shard_mb: int, seed
     """A `train` split of random features through the real writer, planned like capture plans shards."""
     import torch
 
-    from dflash_pipeline.shards import Manifest, ShardWriter, bytes_per_token
+    from dflash_pipeline.data.shards import Manifest, ShardWriter, bytes_per_token
 
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -208,7 +208,7 @@ def measure(workdir: Path, name: str, *, link_types: str, total_bytes: int, shar
                 ["dvc", "remote", "modify", "--local", "team", "endpointurl", s3.endpoint]):
         timed(cmd, clone, env)
     row["pull_s"] = timed(["dvc", "pull"], clone, env)
-    from dflash_pipeline.shards import verify_split
+    from dflash_pipeline.data.shards import verify_split
 
     if not small_files:
         verify_split(clone / "data/hidden/train")  # every pulled shard's size and sha256 against the manifest

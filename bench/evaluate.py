@@ -26,9 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
     """Seconds in the drafter forwards, the head's matmul and the logits' scoring (one batched run)."""
-    from dflash_pipeline import scoring
+    from dflash_pipeline.evaluate import scoring as scoring
     from dflash_pipeline.devices import timed
-    from dflash_pipeline.model import DFlashDrafter
+    from dflash_pipeline.drafters.core import DFlashDrafter
 
     spent = {"drafter forwards": 0.0, "head matmul": 0.0, "scoring (top-k, log-sum-exp, trees)": 0.0}
     originals = [(DFlashDrafter, "forward_blocks"), (scoring, "logits_into"), (scoring, "_score_logits")]
@@ -69,11 +69,11 @@ def main(checkpoint, hidden, target_json, params_path, sequences, device):
 
     from dflash_pipeline.config import load_params
     from dflash_pipeline.devices import timed
-    from dflash_pipeline.scoring import score_one_block_at_a_time, score_teacher_forced
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.target import TargetInfo
-    from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
-    from dflash_pipeline.target import load_target_head
+    from dflash_pipeline.evaluate.scoring import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.data.shards import open_split
+    from dflash_pipeline.target.load import TargetInfo
+    from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
+    from dflash_pipeline.target.load import load_target_head
 
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)

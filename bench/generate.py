@@ -40,8 +40,8 @@ def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, 
     import torch
 
     from dflash_pipeline.generate import render_prompt
-    from dflash_pipeline.prompts import read_prompts
-    from dflash_pipeline.target import TargetInfo, load_target
+    from dflash_pipeline.data.prompts import read_prompts
+    from dflash_pipeline.target.load import TargetInfo, load_target
 
     info = TargetInfo.from_json(target_json)
     model, tokenizer = load_target(info, device="cpu")

@@ -36,7 +36,7 @@ def tiny_target_folder(folder: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from dflash_pipeline.embedded import embedded_gguf_path
+    from dflash_pipeline.target.embedded import embedded_gguf_path
 
     if (folder / "config.json").is_file():
         return folder
@@ -55,8 +55,8 @@ def make_data(work: Path, params, *, target_model: str, prompts: int, max_new_to
     """Section 1: the target, generate and capture stages into `work`; (target, configs, figures)."""
     from dflash_pipeline.capture import run_capture
     from dflash_pipeline.generate import run_generate
-    from dflash_pipeline.prompts import read_prompts
-    from dflash_pipeline.target import TargetInfo, prepare_target
+    from dflash_pipeline.data.prompts import read_prompts
+    from dflash_pipeline.target.load import TargetInfo, prepare_target
 
     prepare_target(replace(params.target, model=target_model), out_dir=work / "target")
     target = TargetInfo.from_json(work / "target" / "target.json")
@@ -84,7 +84,7 @@ def capture_vs_forward(work: Path, target, capture_config, *, device: str, max_b
 
     from dflash_pipeline.capture import forward_batch, load_sequences, resolve_layer_ids
     from dflash_pipeline.devices import timed
-    from dflash_pipeline.target import LayerTap, load_target
+    from dflash_pipeline.target.load import LayerTap, load_target
 
     model, tokenizer = load_target(target, device=device)
     sequences, _ = load_sequences(work / "generated" / "train.parquet", max_length=capture_config.max_length, on_too_long="truncate")
@@ -129,8 +129,8 @@ def train_step_figures(work: Path, target, train_config, *, device: str, steps: 
     """Section 3: `steps` timed steps of the stage's own train_step (after 2 warm-up steps) per
     attention kernel; tokens/s and MFU of the flex run (SDPA on CPU, where flex cannot train)."""
     from dflash_pipeline.devices import bf16_peak_tflops, timed
-    from dflash_pipeline.model import training_flops
-    from dflash_pipeline.train import setup_run, train_step
+    from dflash_pipeline.drafters.core import training_flops
+    from dflash_pipeline.train.run import setup_run, train_step
 
     kernels = ["flex", "sdpa"] if device.startswith("cuda") else ["sdpa"]
     figures = {}
@@ -156,8 +156,8 @@ def train_step_figures(work: Path, target, train_config, *, device: str, steps: 
 
 def train_and_evaluate(work: Path, target, train_config, evaluate_config, *, device: str, steps: int) -> dict:
     """Section 4: the train stage for `steps` steps, then the evaluate stage on its final checkpoint."""
-    from dflash_pipeline.evaluate import run_evaluate
-    from dflash_pipeline.train import run_train
+    from dflash_pipeline.evaluate.run import run_evaluate
+    from dflash_pipeline.train.run import run_train
 
     config = replace(train_config, max_steps=steps, save_every=steps, eval_every=steps, resume=False)
     trained = run_train(config, target=target, train_dir=work / "hidden" / "train", val_dir=work / "hidden" / "val",
@@ -179,11 +179,11 @@ def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> 
     import numpy as np
     import torch
 
-    from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
+    from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.devices import autocast, bf16_by_default, timed
-    from dflash_pipeline.scoring import score_one_block_at_a_time, score_teacher_forced
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.target import load_target_head
+    from dflash_pipeline.evaluate.scoring import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.data.shards import open_split
+    from dflash_pipeline.target.load import load_target_head
 
     drafter, _ = load_checkpoint(list_checkpoints(work / "checkpoints")[-1], device=device)
     head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)

@@ -36,9 +36,9 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import numpy as np
     import torch
 
-    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
+    from dflash_pipeline.decoding.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
     from dflash_pipeline.files import read_json
-    from dflash_pipeline.sampling import Sampling
+    from dflash_pipeline.decoding.sampling import Sampling
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
     checkpoint, drafter, head, model, tap = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.tap

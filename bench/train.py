@@ -33,8 +33,8 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
     import torch
 
     from dflash_pipeline.devices import timed
-    from dflash_pipeline.model import DFlashDrafter
-    from dflash_pipeline.train import TrainingRun, train_step
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.train.run import TrainingRun, train_step
 
     drafter = DFlashDrafter(drafter_state["config"]).to(device)
     drafter.load_state_dict(drafter_state["weights"])
@@ -54,15 +54,15 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
 def main(hidden, target_json, steps, rounds, device):
     import torch
 
-    from dflash_pipeline.blocks import default_gamma
+    from dflash_pipeline.data.blocks import default_gamma
     from dflash_pipeline.devices import bf16_peak_tflops
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.model import DFlashDrafter, count_parameters, training_flops
-    from dflash_pipeline.shards import Sample, open_split
-    from dflash_pipeline.target import TargetInfo, load_target_head
-    from dflash_pipeline.loss import TrainingVocabulary
-    from dflash_pipeline.drafters import drafter_config_for
-    from dflash_pipeline.train import plan_steps
+    from dflash_pipeline.drafters.core import DFlashDrafter, count_parameters, training_flops
+    from dflash_pipeline.data.shards import Sample, open_split
+    from dflash_pipeline.target.load import TargetInfo, load_target_head
+    from dflash_pipeline.train.loss import TrainingVocabulary
+    from dflash_pipeline.drafters.build import drafter_config_for
+    from dflash_pipeline.train.run import plan_steps
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = load_params("params.yaml").train

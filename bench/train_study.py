@@ -81,12 +81,12 @@ def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
 
     import torch
 
-    from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
+    from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.scoring import comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.target import TargetInfo, load_target_head
-    from dflash_pipeline import train as train_module
+    from dflash_pipeline.evaluate.scoring import comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
+    from dflash_pipeline.data.shards import open_split
+    from dflash_pipeline.target.load import TargetInfo, load_target_head
+    from dflash_pipeline.train import run as train_module
 
     params = load_params("params.yaml")
     base, evaluate = params.train, params.evaluate

@@ -25,8 +25,8 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import torch
 
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.engine import drafter_proposer, end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end, verified_prefix
-    from dflash_pipeline.scoring import per_slot_acceptance, score_teacher_forced
+    from dflash_pipeline.decoding.engine import drafter_proposer, end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end, verified_prefix
+    from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
     checkpoint, drafter, head, model, tap, val_set = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.tap, setup.val_set

@@ -29,9 +29,9 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
     """Score every selected checkpoint and baseline; write eval.json, the comparison and plots."""
     offline_by_default()
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.evaluate import run_evaluate
+    from dflash_pipeline.evaluate.run import run_evaluate
     from dflash_pipeline.report import summary_table, write_outputs
-    from dflash_pipeline.target import TargetInfo
+    from dflash_pipeline.target.load import TargetInfo
 
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)

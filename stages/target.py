@@ -19,7 +19,7 @@ def main(params_path: Path, out_dir: Path) -> None:
     """Resolve `target.model` and fingerprint it into OUT/target.json."""
     offline_by_default()
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.target import prepare_target
+    from dflash_pipeline.target.load import prepare_target
 
     params = load_params(params_path)
     info = prepare_target(params.target, out_dir=out_dir)

@@ -27,8 +27,8 @@ def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir,
     offline_by_default()
     from dflash_pipeline.config import load_params
     from dflash_pipeline.report import write_train_outputs
-    from dflash_pipeline.target import TargetInfo
-    from dflash_pipeline.train import run_train
+    from dflash_pipeline.target.load import TargetInfo
+    from dflash_pipeline.train.run import run_train
 
     config = load_params(params_path).train
     target = TargetInfo.from_json(target_json)

@@ -35,7 +35,7 @@ def smollm2_gguf_tokenizer():
     """The real SmolLM2 tokenizer (vocabulary and chat template), loaded from the embedded GGUF."""
     from transformers import AutoTokenizer
 
-    from dflash_pipeline.embedded import embedded_gguf_path
+    from dflash_pipeline.target.embedded import embedded_gguf_path
 
     gguf = embedded_gguf_path()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -186,7 +186,7 @@ def write_generated(folder, rows_per_split, *, seed=0, prompt_len=(20, 60), answ
     import pyarrow.parquet as pq
     import torch
 
-    from dflash_pipeline.prompts import GENERATED_SCHEMA
+    from dflash_pipeline.data.prompts import GENERATED_SCHEMA
 
     generator = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -227,7 +227,7 @@ def tiny_run(tiny_llama_dir, tmp_path_factory):
     """Target fingerprint + captured shards of fabricated sequences on the tiny Llama."""
     from dflash_pipeline.capture import run_capture
     from dflash_pipeline.config import CaptureConfig, TargetConfig
-    from dflash_pipeline.target import TargetInfo, prepare_target
+    from dflash_pipeline.target.load import TargetInfo, prepare_target
 
     root = tmp_path_factory.mktemp("train")
     prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=root / "target")
@@ -266,8 +266,8 @@ def tiny_target(tiny_llama_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-    from dflash_pipeline.target import LayerTap, TargetHead
+    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.target.load import LayerTap, TargetHead
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     tap = LayerTap(model, [1, 3])

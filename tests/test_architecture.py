@@ -15,27 +15,48 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 # (and, within its own layer, only where the table's order allows: earlier entries first).
 LAYERS = [
     ["errors", "files", "config", "runtime", "devices", "stats", "progress"],
-    ["prompts", "shards", "hf_folder", "embedded", "target", "dflash2", "model", "serving", "sampling", "trees"],
-    ["blocks", "checkpoints", "drafters", "engine", "scoring", "loss"],
-    ["generate", "capture", "train", "evaluate", "export"],
+    ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "drafters.dflash2", "drafters.core",
+     "drafters.serving", "decoding.sampling", "decoding.trees"],
+    ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "evaluate.scoring", "train.loss"],
+    ["generate", "capture", "train.run", "evaluate.run", "export"],
     ["report"],
     ["cli"],
 ]
 STAGE_MODULES = set(LAYERS[3])
+WINGS = {"data", "target", "drafters", "decoding", "train", "evaluate"}
+
+
+def module_path(name: str) -> Path:
+    """The file of a package module named relative to the package ("data.shards", "cli", "drafters")."""
+    path = PACKAGE.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def package_modules() -> set[str]:
+    """Every module of the package, named relative to it; a wing's __init__ counts as the wing."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            names.add(".".join(parts))
+    return names
 
 
 def package_imports(path: Path) -> set[str]:
     """Package modules a file imports anywhere in it (function-level imports included)."""
     names = set()
+    known = package_modules()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "dflash_pipeline":
-                names.update(alias.name for alias in node.names)
-            elif node.module.startswith("dflash_pipeline."):
-                names.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("dflash_pipeline"):
+            base = node.module[len("dflash_pipeline."):] if node.module != "dflash_pipeline" else ""
+            for alias in node.names:  # `from package.wing import module` names a module; else the names are attributes
+                candidate = f"{base}.{alias.name}" if base else alias.name
+                names.add(candidate if candidate in known else base)
         elif isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[1] for alias in node.names if alias.name.startswith("dflash_pipeline."))
-    return names - {"__init__"}
+            names.update(alias.name[len("dflash_pipeline."):] for alias in node.names if alias.name.startswith("dflash_pipeline."))
+    return {name for name in names if name}
 
 
 def closure(path: Path) -> set[str]:
@@ -45,24 +66,39 @@ def closure(path: Path) -> set[str]:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo.extend(package_imports(PACKAGE / f"{name}.py"))
+            todo.extend(package_imports(module_path(name)))
     return seen
 
 
+def _position():
+    """(layer, place in its row) of every module: the order imports must follow."""
+    return {name: (number, place) for number, names in enumerate(LAYERS) for place, name in enumerate(names)}
+
+
 def test_every_module_has_a_layer_and_imports_only_from_below():
-    layer_of = {name: number for number, names in enumerate(LAYERS) for name in names}
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    assert modules == set(layer_of), f"modules without a layer, or layers without a module: {modules ^ set(layer_of)}"
+    position = _position()
+    modules = package_modules() - WINGS - {""}
+    assert modules == set(position), f"modules without a layer, or layers without a module: {modules ^ set(position)}"
     for name in sorted(modules):
-        for imported in package_imports(PACKAGE / f"{name}.py"):
-            assert layer_of[imported] < layer_of[name] or (layer_of[imported] == layer_of[name] and imported != name
-                                                            and layer_of[name] != 3), \
-                f"{name}.py (layer {layer_of[name]}) imports {imported}.py (layer {layer_of[imported]})"
+        for imported in package_imports(module_path(name)) - {name}:
+            assert imported in position or imported in WINGS, f"{name} imports {imported}, which has no layer"
+            if imported in WINGS:
+                continue  # a wing's __init__ is checked on its own below
+            # Within a layer, a module imports only the modules listed before it in the row (the
+            # README's table order); stage modules never import each other.
+            assert position[imported] < position[name] and not (position[imported][0] == position[name][0] == 3), \
+                f"{name} (layer {position[name][0]}, place {position[name][1]}) imports {imported} (layer {position[imported][0]}, place {position[imported][1]})"
+
+
+def test_the_layer_check_sees_an_import_from_later_in_the_same_row():
+    position = _position()
+    assert position["data.prompts"] < position["data.shards"]
+    assert not position["drafters.serving"] < position["drafters.core"]  # serving may import core, not the reverse
 
 
 def test_no_stage_module_imports_another():
     for name in sorted(STAGE_MODULES):
-        others = package_imports(PACKAGE / f"{name}.py") & (STAGE_MODULES - {name})
+        others = package_imports(module_path(name)) & (STAGE_MODULES - {name})
         assert not others, f"{name}.py imports the stage module(s) {sorted(others)}"
 
 
@@ -77,7 +113,7 @@ def test_a_stage_depends_on_every_package_module_it_runs(stage):
     assert script == f"stages/{stage}.py", f"{stage}: cmd runs {script}"
     deps = set(spec["deps"])
     assert script in deps, f"dvc.yaml: stage {stage} does not depend on its own script {script}"
-    needed = {f"src/dflash_pipeline/{name}.py" for name in closure(REPO_ROOT / script)}
+    needed = {str(module_path(name).relative_to(REPO_ROOT)) for name in closure(REPO_ROOT / script)}
     missing = sorted(needed - deps)
     assert not missing, f"dvc.yaml: stage {stage} runs {missing} but does not list them in deps"
     extra = sorted(d for d in deps if d.startswith("src/") and d not in needed)
@@ -87,7 +123,8 @@ def test_a_stage_depends_on_every_package_module_it_runs(stage):
 def test_the_dependency_check_sees_function_level_and_indirect_imports(tmp_path):
     # evaluate's script imports the package inside main(); the drafter model comes in through scoring.
     evaluate = closure(REPO_ROOT / "stages" / "evaluate.py")
-    assert {"evaluate", "scoring", "engine", "model", "blocks", "checkpoints", "serving", "target"} <= evaluate
+    assert {"evaluate.run", "evaluate.scoring", "decoding.engine", "drafters.core", "data.blocks", "drafters.checkpoints",
+            "drafters.serving", "target.load"} <= evaluate
     script = tmp_path / "stage.py"
-    script.write_text("def main():\n    from dflash_pipeline.checkpoints import load_checkpoint\n")
-    assert closure(script) >= {"checkpoints", "model", "errors", "files"}
+    script.write_text("def main():\n    from dflash_pipeline.drafters.checkpoints import load_checkpoint\n")
+    assert closure(script) >= {"drafters.checkpoints", "drafters.core", "errors", "files"}

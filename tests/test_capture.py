@@ -13,12 +13,12 @@ import torch
 
 from conftest import REPO_ROOT, folder_bytes, run, start_then_kill_9, write_generated
 from dflash_pipeline.capture import Sequence, forward_batch, load_sequences, plan_shards
-from dflash_pipeline.target import LayerTap, build_target_layer_ids
+from dflash_pipeline.target.load import LayerTap, build_target_layer_ids
 from dflash_pipeline.config import CaptureConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.prompts import GENERATED_SCHEMA
-from dflash_pipeline.shards import Manifest, open_split, verify_split
-from dflash_pipeline.target import TargetInfo, load_target, prepare_target
+from dflash_pipeline.data.prompts import GENERATED_SCHEMA
+from dflash_pipeline.data.shards import Manifest, open_split, verify_split
+from dflash_pipeline.target.load import TargetInfo, load_target, prepare_target
 
 
 def test_default_layer_ids_follow_dflash():

@@ -18,9 +18,9 @@ from conftest import stage_env
 from dflash_pipeline.cli import main
 from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
 from dflash_pipeline.export import export_checkpoint
-from dflash_pipeline.serving import PROVENANCE_FILE, load_dflash_drafter
-from dflash_pipeline.target import TargetInfo, prepare_target
-from dflash_pipeline.checkpoints import load_checkpoint
+from dflash_pipeline.drafters.serving import PROVENANCE_FILE, load_dflash_drafter
+from dflash_pipeline.target.load import TargetInfo, prepare_target
+from dflash_pipeline.drafters.checkpoints import load_checkpoint
 
 CYCLE = [101, 202, 303, 404, 505]  # every answer repeats it, so a few training steps already draft some tokens right
 SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export", "plots", "compare-runs", "generate"]
@@ -31,7 +31,7 @@ def write_cycle_generated(folder: Path, rows_per_split: dict[str, int], seed: in
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dflash_pipeline.prompts import GENERATED_SCHEMA
+    from dflash_pipeline.data.prompts import GENERATED_SCHEMA
 
     generator = torch.Generator().manual_seed(seed)
     folder.mkdir(parents=True, exist_ok=True)
@@ -53,7 +53,7 @@ def tiny(tiny_llama_dir, tmp_path_factory):
     """Target fingerprint, generated val prompts, captured shards and one checkpoint (step 4) on the
     tiny Llama, plus a float32 export of that checkpoint."""
     from dflash_pipeline.capture import run_capture
-    from dflash_pipeline.train import run_train
+    from dflash_pipeline.train.run import run_train
 
     root = tmp_path_factory.mktemp("cli")
     prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=root / "target")

@@ -28,8 +28,9 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, stage_env
-from dflash_pipeline import devices, model as model_module
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline import devices
+from dflash_pipeline.drafters import core as model_module
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
 
 
 # ----------------------------------------------------------------------------- flex attention
@@ -83,7 +84,7 @@ def test_flex_backward_is_a_gpu_only_branch():
 
 
 def _one_step(tiny_run, tmp_path, bf16: bool):
-    from dflash_pipeline.train import setup_run, train_step
+    from dflash_pipeline.train.run import setup_run, train_step
 
     from test_train import TINY_TRAIN
 
@@ -118,7 +119,7 @@ def test_bf16_capture_matches_fp32_within_bf16_rounding(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     from dflash_pipeline.capture import Sequence, forward_batch
-    from dflash_pipeline.target import LayerTap
+    from dflash_pipeline.target.load import LayerTap
 
     generator = torch.Generator().manual_seed(0)
     batch = [Sequence(id=f"s{i}", input_ids=torch.randint(3, 49152, (n,), generator=generator).tolist(), loss_mask=[0] * (n // 2) + [1] * (n - n // 2))
@@ -148,8 +149,8 @@ def test_bf16_batched_scorer_agrees_with_the_one_block_reference():
     """evaluate on a GPU: bf16 head, drafter under bf16 autocast. The batched scorer against the
     one-block loop in the same arithmetic: different matmul shapes round differently, so blocks
     may flip on near-ties, but the mean τ must agree and most blocks be identical."""
-    from dflash_pipeline.scoring import score_one_block_at_a_time, score_teacher_forced
-    from dflash_pipeline.target import TargetHead
+    from dflash_pipeline.evaluate.scoring import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.target.load import TargetHead
 
     from test_evaluate import small_vocab_setup
 
@@ -174,8 +175,8 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
     A rigged drafter that knows the answer gets whole blocks accepted."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.engine import drafter_proposer, end_to_end, greedy_decode, is_near_tie, summarize_end_to_end
-    from dflash_pipeline.target import LayerTap, TargetHead
+    from dflash_pipeline.decoding.engine import drafter_proposer, end_to_end, greedy_decode, is_near_tie, summarize_end_to_end
+    from dflash_pipeline.target.load import LayerTap, TargetHead
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     tap = LayerTap(target, [1, 3])
@@ -216,8 +217,8 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
 
 
 def test_as_stored_bf16_equals_the_shard_round_trip():
-    from dflash_pipeline.engine import as_stored
-    from dflash_pipeline.shards import decode_features, encode_features
+    from dflash_pipeline.decoding.engine import as_stored
+    from dflash_pipeline.data.shards import decode_features, encode_features
 
     features = torch.randn(9, 24) * 50
     values, scales = encode_features(features, "bf16")

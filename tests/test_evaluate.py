@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.engine import (
+from dflash_pipeline.decoding.engine import (
     DecodeRun,
     EndToEndPrompt,
     choose_verify_tokens,
@@ -20,8 +20,8 @@ from dflash_pipeline.engine import (
     summarize_end_to_end,
     verified_prefix,
 )
-from dflash_pipeline.evaluate import check_drafter_contract, select_checkpoints, val_prompts
-from dflash_pipeline.scoring import (
+from dflash_pipeline.evaluate.run import check_drafter_contract, select_checkpoints, val_prompts
+from dflash_pipeline.evaluate.scoring import (
     BlockScores,
     _score_logits,
     acceptance_length,
@@ -35,9 +35,9 @@ from dflash_pipeline.scoring import (
     score_teacher_forced,
     summarize_blocks,
 )
-from dflash_pipeline.model import DFlashDrafter, DraftCache, DrafterConfig, draft_block
-from dflash_pipeline.target import TargetHead
-from dflash_pipeline.shards import Sample
+from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, DrafterConfig, draft_block
+from dflash_pipeline.target.load import TargetHead
+from dflash_pipeline.data.shards import Sample
 
 LOG = math.log
 
@@ -350,8 +350,8 @@ def test_untrained_drafter_decodes_losslessly_with_tau_near_one(tiny_target):
 def test_a_dflash2_drafter_decodes_losslessly_with_its_selector(tiny_target, mode):
     from test_dflash2 import randomize
 
-    from dflash_pipeline.engine import tree_proposer
-    from dflash_pipeline.sampling import Sampling
+    from dflash_pipeline.decoding.engine import tree_proposer
+    from dflash_pipeline.decoding.sampling import Sampling
 
     model, tap, head, drafter, prompt = tiny_target
     torch.manual_seed(0)
@@ -473,8 +473,8 @@ def test_a_sliding_window_drafter_drafts_the_same_batched_as_at_decoding():
     # Decoding (draft_block) hides context keys more than `sliding_window` before the anchor; the
     # batched forward of training and scoring gets its mask from blocks.build_batch, which must
     # apply the same window.
-    from dflash_pipeline.blocks import build_batch, scoring_anchor_seed
-    from dflash_pipeline.model import DraftCache, draft_block
+    from dflash_pipeline.data.blocks import build_batch, scoring_anchor_seed
+    from dflash_pipeline.drafters.core import DraftCache, draft_block
 
     drafter, head, split = small_vocab_setup()
     windowed = DFlashDrafter(replace(drafter.config, sliding_window=3)).eval()
@@ -577,7 +577,7 @@ def test_verifying_a_prefix_of_the_draft_stays_lossless(tiny_target):
 
 @pytest.mark.parametrize("rule", ["match", "ratio"])
 def test_sampled_speculative_decoding_commits_only_tokens_the_target_could_sample(tiny_target, rule):
-    from dflash_pipeline.sampling import Sampling
+    from dflash_pipeline.decoding.sampling import Sampling
 
     model, tap, head, drafter, prompt = tiny_target
     sampling = Sampling(1.0, rule=rule, top_k=3, seed=5)

@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.export import export_checkpoint
-from dflash_pipeline.serving import PROVENANCE_FILE, export_drafter, load_dflash_drafter
-from dflash_pipeline.model import DraftCache, draft_block
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig, dflash_mask
-from dflash_pipeline.target import TargetHead
+from dflash_pipeline.drafters.serving import PROVENANCE_FILE, export_drafter, load_dflash_drafter
+from dflash_pipeline.drafters.core import DraftCache, draft_block
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline.target.load import TargetHead
 
 LAYER_WEIGHTS = [
     "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -135,7 +135,7 @@ def test_bf16_export_stores_bf16(tmp_path):
 
 
 def test_export_checkpoint_records_where_it_came_from(tmp_path):
-    from dflash_pipeline.checkpoints import save_checkpoint
+    from dflash_pipeline.drafters.checkpoints import save_checkpoint
 
     drafter = random_drafter(tiny_config())
     step_dir = save_checkpoint(tmp_path / "checkpoints", step=12, drafter=drafter,
@@ -403,7 +403,7 @@ def test_dflash2_export_writes_the_public_contract_and_round_trips(tmp_path):
 
 
 def test_a_dflash2_draft_vocabulary_travels_beside_the_full_vocabulary_codebooks(tmp_path):
-    from dflash_pipeline.model import select_block
+    from dflash_pipeline.drafters.core import select_block
 
     drafter = random_drafter(tiny_dflash2_config())
     drafter.set_draft_vocab(torch.tensor([9, 4, 17, 30, 55, 61, 80]))
@@ -485,7 +485,7 @@ def test_zlab_reference_drafts_the_same_dflash2_logits_and_paths(tmp_path, zlab_
     Its top-K is unsorted, so candidates and q are compared per token id."""
     from transformers import DynamicCache
 
-    from dflash_pipeline.model import draft_hidden, select_block
+    from dflash_pipeline.drafters.core import draft_hidden, select_block
 
     config = make_config()
     drafter, head = random_drafter(config), random_head(config)

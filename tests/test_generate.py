@@ -9,9 +9,9 @@ import pytest
 from conftest import REPO_ROOT, SAMPLE_PROMPTS, folder_bytes, run, start_then_kill_9, write_jsonl
 from dflash_pipeline.config import GenerateConfig
 from dflash_pipeline.generate import greedy_generate, render_prompt, run_generate
-from dflash_pipeline.prompts import GENERATED_SCHEMA, read_generated
-from dflash_pipeline.prompts import read_prompts
-from dflash_pipeline.target import TargetInfo, load_target, prepare_target
+from dflash_pipeline.data.prompts import GENERATED_SCHEMA, read_generated
+from dflash_pipeline.data.prompts import read_prompts
+from dflash_pipeline.target.load import TargetInfo, load_target, prepare_target
 from dflash_pipeline.config import TargetConfig
 
 

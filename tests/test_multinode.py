@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import run, stage_env, write_generated
-from dflash_pipeline.checkpoints import load_checkpoint
-from dflash_pipeline.shards import open_split
+from dflash_pipeline.drafters.checkpoints import load_checkpoint
+from dflash_pipeline.data.shards import open_split
 from test_capture import _assert_same_split, _capture_cmd, _params
 from test_train import _stage_cmd
 
@@ -107,7 +107,7 @@ def test_capture_refuses_a_manifest_when_another_nodes_shards_are_not_in_its_fol
     from dflash_pipeline.capture import capture_split, load_sequences
     from dflash_pipeline.config import CaptureConfig
     from dflash_pipeline.errors import PipelineError
-    from dflash_pipeline.target import LayerTap, load_target
+    from dflash_pipeline.target.load import LayerTap, load_target
 
     target, _ = tiny_run
     generated = write_generated(tmp_path / "generated", {"train": 90}, answer_len=(10, 120))

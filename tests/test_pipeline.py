@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 
 from conftest import run, set_params, start_then_kill_9
-from dflash_pipeline.shards import open_split
+from dflash_pipeline.data.shards import open_split
 
 
 def dvc(repo, *args, check=True):

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO_ROOT, SAMPLE_PROMPTS, write_jsonl
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.prompts import prompt_id, read_prompts, split_of
+from dflash_pipeline.data.prompts import prompt_id, read_prompts, split_of
 
 
 def test_three_row_formats_become_the_same_conversation(tmp_path):

@@ -12,11 +12,11 @@ both, by a chi-square test, and the first step's acceptance length has the same 
 import pytest
 import torch
 
-from dflash_pipeline.engine import drafter_proposer, speculative_decode
-from dflash_pipeline.model import DrafterConfig
-from dflash_pipeline.sampling import Sampling
-from dflash_pipeline.serving import export_drafter
-from dflash_pipeline.target import LayerTap, TargetHead
+from dflash_pipeline.decoding.engine import drafter_proposer, speculative_decode
+from dflash_pipeline.drafters.core import DrafterConfig
+from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.drafters.serving import export_drafter
+from dflash_pipeline.target.load import LayerTap, TargetHead
 from test_export import random_drafter
 
 VOCAB, RUNS, NEW_TOKENS = 32, 400, 5  # 5 new tokens: the first block is drafted whole (B - 1 = 3 slots) in both

@@ -10,7 +10,7 @@ resampling a rejection from p instead of the residual max(0, p - q).
 import pytest
 import torch
 
-from dflash_pipeline.sampling import draw, sampling_probs, verify_chain
+from dflash_pipeline.decoding.sampling import draw, sampling_probs, verify_chain
 
 V = 5
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.shards import Manifest, ShardWriter, bytes_per_token, open_split, shard_schema
+from dflash_pipeline.data.shards import Manifest, ShardWriter, bytes_per_token, open_split, shard_schema
 
 
 def _sequences(count=3, width=12, seed=0, base_length=5):

@@ -10,10 +10,10 @@ from conftest import REPO_ROOT, run
 from dflash_pipeline.config import TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generate import render_prompt
-from dflash_pipeline.hf_folder import forward_fields, with_both_spellings
-from dflash_pipeline.prompts import read_prompts
-from dflash_pipeline.embedded import CONVERSION_VERSION, _reusable_conversion
-from dflash_pipeline.target import TargetInfo, fingerprint_target, prepare_target
+from dflash_pipeline.target.folder import forward_fields, with_both_spellings
+from dflash_pipeline.data.prompts import read_prompts
+from dflash_pipeline.target.embedded import CONVERSION_VERSION, _reusable_conversion
+from dflash_pipeline.target.load import TargetInfo, fingerprint_target, prepare_target
 
 # The fields of config.json that change the forward pass, as the embedded SmolLM2 GGUF defines them.
 EMBEDDED_FORWARD = {"rope_theta": 100000.0, "rope_scaling": {"rope_type": "default"}, "partial_rotary_factor": 1.0,
@@ -208,7 +208,7 @@ def test_conversion_from_older_code_is_not_reused(tmp_path):
 
 
 def test_tokenizer_config_is_respelled_for_4x_and_a_class_it_cannot_vouch_for_is_refused(tmp_path):
-    from dflash_pipeline.hf_folder import tokenizer_config_conflict, tokenizer_config_for_both
+    from dflash_pipeline.target.folder import tokenizer_config_conflict, tokenizer_config_for_both
 
     where = tmp_path / "tokenizer_config.json"
     written_by_5x = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "eos_token": "<|im_end|>",
@@ -248,7 +248,7 @@ def check_tokenizer_folder_as_gguf(folder: Path, gguf_tokenizer, prompts_file: P
 def test_tokenizer_is_saved_for_4x_and_tokenizes_as_the_gguf(smollm2_gguf_tokenizer, sample_prompts, tmp_path):
     """transformers 5 saves the GGUF's tokenizer as "TokenizersBackend", which 4.x cannot load; the
     conversion's writer names the same tokenizer so both versions load it, byte-stable."""
-    from dflash_pipeline.embedded import save_tokenizer_for_both
+    from dflash_pipeline.target.embedded import save_tokenizer_for_both
 
     for folder in (tmp_path / "a", tmp_path / "b"):
         save_tokenizer_for_both(smollm2_gguf_tokenizer, folder)
@@ -294,8 +294,8 @@ def test_embedded_default_converts_to_identical_logits(embedded_target):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.embedded import embedded_gguf_path
-    from dflash_pipeline.target import load_target
+    from dflash_pipeline.target.embedded import embedded_gguf_path
+    from dflash_pipeline.target.load import load_target
 
     out_dir, info = embedded_target
     assert (info["model"], info["num_layers"], info["hidden_size"], info["vocab_size"]) == ("smollm2-135m-instruct", 30, 576, 49152)

@@ -13,16 +13,16 @@ import torch
 import yaml
 
 from conftest import REPO_ROOT, run, start_then_kill_9
-from dflash_pipeline.blocks import build_batch, decay_weights, valid_anchors
+from dflash_pipeline.data.blocks import build_batch, decay_weights, valid_anchors
 from dflash_pipeline.capture import run_capture
-from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
+from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.config import CaptureConfig, TrainConfig
-from dflash_pipeline.drafters import choose_mask_token
+from dflash_pipeline.drafters.build import choose_mask_token
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.loss import ChunkedHeadCrossEntropy
-from dflash_pipeline.shards import Sample
-from dflash_pipeline.target import load_target_head
-from dflash_pipeline.train import learning_rate, plan_steps, run_train
+from dflash_pipeline.train.loss import ChunkedHeadCrossEntropy
+from dflash_pipeline.data.shards import Sample
+from dflash_pipeline.target.load import load_target_head
+from dflash_pipeline.train.run import learning_rate, plan_steps, run_train
 
 # The first losses of the tiny end-to-end run below. A change in model, loss, batching,
 # initialisation or seeding moves them: update deliberately, never to make a test pass.
@@ -153,8 +153,8 @@ def test_training_uses_the_sliding_window(tiny_run, tmp_path):
 def test_periodic_tau_is_evaluates_scorer_with_its_interval_over_prompts(tiny_run, tmp_path):
     # One teacher-forced scorer: train's tau (and CI) is what `evaluate` reports for the same
     # checkpoint, anchors and seed, with the 95% interval over prompts, not over blocks.
-    from dflash_pipeline.scoring import score_teacher_forced, summarize_blocks
-    from dflash_pipeline.shards import open_split
+    from dflash_pipeline.evaluate.scoring import score_teacher_forced, summarize_blocks
+    from dflash_pipeline.data.shards import open_split
 
     target, root = tiny_run
     result = _train(tiny_run, tmp_path / "ck")
@@ -194,7 +194,7 @@ def test_rerunning_a_finished_run_reports_its_metrics_from_the_saved_state(tiny_
 def _train_killed_after_the_state_of(step, tiny_run, out, config, monkeypatch):
     """Run `config` into `out` and stop it like a kill right after step `step`'s resume state is in
     place, before state.json follows (the readable copy then still describes the step before)."""
-    import dflash_pipeline.checkpoints as checkpoints_module
+    import dflash_pipeline.drafters.checkpoints as checkpoints_module
 
     real_write = checkpoints_module.write_json_atomic
 
@@ -364,8 +364,8 @@ def test_contract_mismatches_are_one_line(tiny_run, tmp_path):
 
 
 def test_data_vocabulary_softmax_is_the_full_softmax_restricted_to_those_rows():
-    from dflash_pipeline.target import TargetHead
-    from dflash_pipeline.loss import TrainingVocabulary
+    from dflash_pipeline.target.load import TargetHead
+    from dflash_pipeline.train.loss import TrainingVocabulary
 
     torch.manual_seed(5)
     head = TargetHead(torch.randn(30, 8), torch.randn(30, 8))
@@ -385,8 +385,8 @@ def test_data_vocabulary_softmax_is_the_full_softmax_restricted_to_those_rows():
 
 def test_distillation_loss_and_gradient_equal_a_plain_reference():
     # (1 - a)·CE(answer token) + a·CE(target's renormalised top-K), written out with plain torch ops.
-    from dflash_pipeline.loss import TrainingVocabulary, distillation_targets
-    from dflash_pipeline.target import TargetHead
+    from dflash_pipeline.train.loss import TrainingVocabulary, distillation_targets
+    from dflash_pipeline.target.load import TargetHead
 
     torch.manual_seed(1)
     rows, hidden_size, vocab, top_k = 29, 16, 60, 5
@@ -425,8 +425,8 @@ def test_distillation_loss_and_gradient_equal_a_plain_reference():
 
 
 def test_distillation_targets_drop_tokens_outside_a_restricted_vocabulary():
-    from dflash_pipeline.loss import TrainingVocabulary, distillation_targets
-    from dflash_pipeline.target import TargetHead
+    from dflash_pipeline.train.loss import TrainingVocabulary, distillation_targets
+    from dflash_pipeline.target.load import TargetHead
 
     head = TargetHead(torch.randn(30, 8), torch.randn(30, 8))
     vocabulary = TrainingVocabulary.from_tokens(head, torch.tensor([3, 7, 9]))
@@ -466,9 +466,9 @@ def test_distillation_trains_and_needs_the_top_k_in_the_shards(tiny_run, tmp_pat
 
 
 def test_the_feature_scale_is_one_over_channel_rms_and_folds_into_the_export(tiny_run, tmp_path):
-    from dflash_pipeline.serving import export_drafter, load_dflash_drafter
-    from dflash_pipeline.shards import open_split
-    from dflash_pipeline.train import channel_rms_scale
+    from dflash_pipeline.drafters.serving import export_drafter, load_dflash_drafter
+    from dflash_pipeline.data.shards import open_split
+    from dflash_pipeline.train.run import channel_rms_scale
 
     target, root = tiny_run
     result = _train(tiny_run, tmp_path / "ck", replace(TINY_TRAIN, feature_norm="channel_rms", max_steps=2, eval_every=2, save_every=2))
@@ -488,7 +488,7 @@ def test_the_feature_scale_is_one_over_channel_rms_and_folds_into_the_export(tin
 
 
 def test_a_data_vocabulary_drafter_keeps_its_vocabulary_in_the_checkpoint(tiny_run, tmp_path):
-    from dflash_pipeline.shards import open_split
+    from dflash_pipeline.data.shards import open_split
 
     target, root = tiny_run
     _train(tiny_run, tmp_path / "ck", replace(TINY_TRAIN, train_vocab="data", max_steps=2, eval_every=2, save_every=2))
@@ -506,8 +506,8 @@ TINY_DFLASH2 = replace(TINY_TRAIN, architecture="dflash2", selector_rank=8, sele
 
 
 def test_selector_loss_is_k_way_cross_entropy_with_the_answer_put_in_when_missing():
-    from dflash_pipeline.dflash2 import CandidateSelector
-    from dflash_pipeline.loss import selector_loss
+    from dflash_pipeline.drafters.dflash2 import CandidateSelector
+    from dflash_pipeline.train.loss import selector_loss
 
     torch.manual_seed(0)
     selector = CandidateSelector(hidden_size=8, vocab_size=40, rank=4, top_k=3)
@@ -544,9 +544,9 @@ def test_selector_loss_is_k_way_cross_entropy_with_the_answer_put_in_when_missin
 
 
 def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
-    from dflash_pipeline.loss import block_loss
-    from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-    from dflash_pipeline.target import TargetHead
+    from dflash_pipeline.train.loss import block_loss
+    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.target.load import TargetHead
 
     torch.manual_seed(0)
     config = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,

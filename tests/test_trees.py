@@ -4,8 +4,8 @@ tree decoding that stays lossless where the answer lies off the drafter's top-1 
 import pytest
 import torch
 
-from dflash_pipeline.engine import greedy_decode, keep_path, speculative_decode, tree_proposer, verify_tree
-from dflash_pipeline.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
+from dflash_pipeline.decoding.engine import greedy_decode, keep_path, speculative_decode, tree_proposer, verify_tree
+from dflash_pipeline.decoding.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
 
 
 @pytest.fixture

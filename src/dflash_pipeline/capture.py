@@ -41,8 +41,8 @@ from typing import NamedTuple
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import format_bytes, reuse_or_reset, sha256_file
-from dflash_pipeline.prompts import read_generated
-from dflash_pipeline.shards import (
+from dflash_pipeline.data.prompts import read_generated
+from dflash_pipeline.data.shards import (
     SHA256_SUFFIX,
     SHARD_GLOB,
     Manifest,
@@ -52,7 +52,7 @@ from dflash_pipeline.shards import (
     recorded_sha256,
     sha256_record_path,
 )
-from dflash_pipeline.target import LayerTap, TargetInfo, build_target_layer_ids
+from dflash_pipeline.target.load import LayerTap, TargetInfo, build_target_layer_ids
 
 SPLITS = ("train", "val")
 
@@ -449,7 +449,7 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
     import torch
     import torch.distributed as dist
 
-    from dflash_pipeline.target import load_target
+    from dflash_pipeline.target.load import load_target
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

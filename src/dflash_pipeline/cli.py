@@ -89,7 +89,7 @@ def split_folders(folder: Path) -> list[Path]:
 def target_info(path: Path):
     """A target.json (or the target stage's folder holding one), or a local Hugging Face model
     folder, fingerprinted now exactly as the `target` stage would."""
-    from dflash_pipeline.target import TargetInfo, prepare_target
+    from dflash_pipeline.target.load import TargetInfo, prepare_target
 
     if path.is_file():
         return TargetInfo.from_json(path)
@@ -104,7 +104,7 @@ def target_info(path: Path):
 
 def generated_val(path: Path | None) -> Path | None:
     """The generate stage's val.parquet (given as the file or its folder), its schema checked."""
-    from dflash_pipeline.prompts import read_generated
+    from dflash_pipeline.data.prompts import read_generated
 
     if path is None:
         return None
@@ -175,7 +175,7 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
           --target data/target/target.json --shards data/hidden/val \\
           --prompts data/generated/val.parquet --e2e-prompts 4 --out /tmp/eval-900
     """
-    from dflash_pipeline.evaluate import run_evaluate
+    from dflash_pipeline.evaluate.run import run_evaluate
     from dflash_pipeline.report import summary_table, write_outputs
 
     kinds = {folder: folder_kind(folder) for folder in drafters}
@@ -215,7 +215,7 @@ def compare_runs(run_a, run_b):
     Example:
       dflash-pipeline compare-runs data/eval ../other-clone/data/eval
     """
-    from dflash_pipeline.evaluate import compare_eval_runs
+    from dflash_pipeline.evaluate.run import compare_eval_runs
 
     result = compare_eval_runs(run_a, run_b)
     blocks = "the same val blocks" if result["same_blocks"] else "different val blocks (the runs' answers differ)"
@@ -242,7 +242,7 @@ def verify_shards(folder, target_path):
       dflash-pipeline verify-shards data/hidden/val
       dflash-pipeline verify-shards data/hidden --target data/target/target.json
     """
-    from dflash_pipeline.shards import Manifest, verify_split
+    from dflash_pipeline.data.shards import Manifest, verify_split
 
     folders = split_folders(folder)
     if not folders:
@@ -309,7 +309,7 @@ def weights_line(files: list[Path]) -> str:
 
 def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
     from dflash_pipeline.files import read_json
-    from dflash_pipeline.model import DrafterConfig
+    from dflash_pipeline.drafters.core import DrafterConfig
 
     info = read_json(folder / "checkpoint.json", missing="unreadable")
     if "drafter" not in info:
@@ -324,7 +324,7 @@ def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
 
 
 def drafter_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.serving import PROVENANCE_FILE, drafter_config_from_serving
+    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving
     from dflash_pipeline.files import read_json
 
     config_path = folder / "config.json"
@@ -343,7 +343,7 @@ def drafter_contract(folder: Path) -> list[tuple[str, object]]:
 
 
 def split_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.shards import Manifest
+    from dflash_pipeline.data.shards import Manifest
 
     manifest = Manifest.load(folder)
     stats = ", ".join(f"{k} {v}" for k, v in sorted(manifest.stats.items()))
@@ -413,7 +413,7 @@ def export(checkpoint, out, dtype):
     import torch
 
     from dflash_pipeline.export import export_checkpoint
-    from dflash_pipeline.serving import load_dflash_drafter
+    from dflash_pipeline.drafters.serving import load_dflash_drafter
 
     folder = export_checkpoint(checkpoint, out, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
     drafter, _ = load_dflash_drafter(folder)
@@ -458,12 +458,12 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     import torch
 
     from dflash_pipeline.devices import bf16_by_default
-    from dflash_pipeline.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
-    from dflash_pipeline.evaluate import load_candidates
+    from dflash_pipeline.decoding.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
+    from dflash_pipeline.evaluate.run import load_candidates
     from dflash_pipeline.generate import render_prompt
-    from dflash_pipeline.prompts import Prompt
-    from dflash_pipeline.sampling import Sampling
-    from dflash_pipeline.target import LayerTap, load_target, load_target_head
+    from dflash_pipeline.data.prompts import Prompt
+    from dflash_pipeline.decoding.sampling import Sampling
+    from dflash_pipeline.target.load import LayerTap, load_target, load_target_head
 
     if tree_budget is not None and (temperature > 0 or verify_tokens is not None):
         raise PipelineError("--tree-budget: tree verification is greedy and verifies the whole tree (drop --temperature / --verify-tokens)")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.checkpoints import load_checkpoint
-from dflash_pipeline.serving import export_drafter
+from dflash_pipeline.drafters.checkpoints import load_checkpoint
+from dflash_pipeline.drafters.serving import export_drafter
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path, *, dtype: torch.dtype = torch.float32) -> Path:

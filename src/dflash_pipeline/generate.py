@@ -31,8 +31,8 @@ import pyarrow.parquet as pq
 from dflash_pipeline.config import GenerateConfig, as_dict
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import reuse_or_reset, write_json_atomic
-from dflash_pipeline.prompts import GENERATED_SCHEMA, Prompt, PromptSet
-from dflash_pipeline.target import TargetInfo
+from dflash_pipeline.data.prompts import GENERATED_SCHEMA, Prompt, PromptSet
+from dflash_pipeline.target.load import TargetInfo
 
 @dataclass(frozen=True)
 class Answer:
@@ -233,7 +233,7 @@ def run_generate(
 ) -> dict:
     """Answer every prompt of `prompt_set` (resuming from `out_dir/chunks`); return the summary:
     summary.json's content plus `this_run` (answers reused and made now, seconds, tokens/s)."""
-    from dflash_pipeline.target import load_target
+    from dflash_pipeline.target.load import load_target
 
     model, tokenizer = load_target(target, device=device)
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")

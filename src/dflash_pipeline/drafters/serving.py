@@ -39,9 +39,9 @@ import torch
 
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, write_json_atomic
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-from dflash_pipeline.hf_folder import weight_files
-from dflash_pipeline.target import build_target_layer_ids
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.target.folder import weight_files
+from dflash_pipeline.target.load import build_target_layer_ids
 
 ARCHITECTURE = "DFlashDraftModel"
 # Our DrafterConfig.architecture -> the `architectures` name of its public class, and back.

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_pipeline.blocks import Batch
+from dflash_pipeline.data.blocks import Batch
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.model import DFlashDrafter
-from dflash_pipeline.target import TargetHead
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.target.load import TargetHead
 
 
 class ChunkedHeadCrossEntropy(torch.autograd.Function):

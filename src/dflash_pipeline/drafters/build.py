@@ -7,9 +7,9 @@ token absent from the data; the weights are random or the target's top layers (`
 
 from dflash_pipeline.config import TrainConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-from dflash_pipeline.hf_folder import read_tensors
-from dflash_pipeline.target import TargetInfo
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.target.folder import read_tensors
+from dflash_pipeline.target.load import TargetInfo
 
 
 def choose_mask_token(target: TargetInfo, used_ids: set[int]) -> tuple[int, str]:

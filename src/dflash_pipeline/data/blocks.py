@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.model import dflash_mask
+from dflash_pipeline.drafters.core import dflash_mask
 
 
 def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:

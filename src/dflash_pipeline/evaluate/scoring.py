@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_pipeline.blocks import build_batch, draw_anchors, scoring_anchor_seed, valid_anchors
+from dflash_pipeline.data.blocks import build_batch, draw_anchors, scoring_anchor_seed, valid_anchors
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.dflash2 import select_paths
-from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block, select_block
+from dflash_pipeline.drafters.dflash2 import select_paths
+from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block, select_block
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.stats import mean_ci95_over_prompts, paired_difference as paired_prompt_difference
-from dflash_pipeline.target import TargetHead
-from dflash_pipeline.trees import build_draft_tree, ranked_candidates
+from dflash_pipeline.target.load import TargetHead
+from dflash_pipeline.decoding.trees import build_draft_tree, ranked_candidates
 
 EVERY_ANCHOR = 1 << 30
 

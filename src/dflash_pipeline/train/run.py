@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.blocks import build_batch, default_gamma, training_anchor_seed
-from dflash_pipeline.checkpoints import (
+from dflash_pipeline.data.blocks import build_batch, default_gamma, training_anchor_seed
+from dflash_pipeline.drafters.checkpoints import (
     list_checkpoints,
     load_resume_state,
     remove_checkpoints,
@@ -37,14 +37,14 @@ from dflash_pipeline.checkpoints import (
 )
 from dflash_pipeline.config import TrainConfig, train_record_config
 from dflash_pipeline.devices import autocast, bf16_by_default
-from dflash_pipeline.drafters import choose_mask_token, drafter_config_for, new_drafter
+from dflash_pipeline.drafters.build import choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.loss import TrainingVocabulary, block_loss
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-from dflash_pipeline.scoring import per_slot_acceptance, score_teacher_forced
-from dflash_pipeline.shards import ShardDataset, open_split
+from dflash_pipeline.train.loss import TrainingVocabulary, block_loss
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
+from dflash_pipeline.data.shards import ShardDataset, open_split
 from dflash_pipeline.stats import mean_ci95_over_prompts
-from dflash_pipeline.target import TargetHead, TargetInfo, load_target_head
+from dflash_pipeline.target.load import TargetHead, TargetInfo, load_target_head
 
 
 # ----------------------------------------------------------------------------- schedule and plan

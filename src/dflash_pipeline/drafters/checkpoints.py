@@ -26,7 +26,7 @@ import torch
 
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import write_json_atomic
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 
 CHECKPOINT_FORMAT_VERSION = 1
 STATE_FOLDER = "state"

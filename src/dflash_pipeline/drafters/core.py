@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_pipeline.dflash2 import CandidateSelector, GroupedDynamicCausalConv, SelectedPath, select_paths
+from dflash_pipeline.drafters.dflash2 import CandidateSelector, GroupedDynamicCausalConv, SelectedPath, select_paths
 
 ARCHITECTURES = ("dflash", "dflash2")
 # DrafterConfig fields only DFlash2 reads; a DFlash config leaves them out of `to_dict`, so its

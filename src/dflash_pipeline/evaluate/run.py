@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.checkpoints import list_checkpoints, load_checkpoint
+from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.devices import autocast, bf16_by_default
-from dflash_pipeline.engine import (
+from dflash_pipeline.decoding.engine import (
     EndToEndPrompt,
     drafter_proposer,
     end_to_end,
@@ -34,12 +34,12 @@ from dflash_pipeline.engine import (
     verified_prefix,
 )
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.model import DFlashDrafter, DrafterConfig
-from dflash_pipeline.sampling import Sampling
-from dflash_pipeline.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
-from dflash_pipeline.serving import load_dflash_drafter
-from dflash_pipeline.shards import open_split
-from dflash_pipeline.target import LayerTap, load_target, load_target_head
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
+from dflash_pipeline.drafters.serving import load_dflash_drafter
+from dflash_pipeline.data.shards import open_split
+from dflash_pipeline.target.load import LayerTap, load_target, load_target_head
 
 # ----------------------------------------------------------------------------- drafters
 

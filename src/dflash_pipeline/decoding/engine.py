@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from dflash_pipeline.devices import autocast, synchronize, timed
-from dflash_pipeline.model import DFlashDrafter, DraftCache, draft_block, select_block
+from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block, select_block
 from dflash_pipeline.progress import progress_iter
-from dflash_pipeline.sampling import Sampling, draw, verify_chain
+from dflash_pipeline.decoding.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.stats import mean_ci95
-from dflash_pipeline.target import TargetHead
-from dflash_pipeline.trees import DraftTree, build_draft_tree, ranked_candidates, tree_attention_mask, tree_positions
+from dflash_pipeline.target.load import TargetHead
+from dflash_pipeline.decoding.trees import DraftTree, build_draft_tree, ranked_candidates, tree_attention_mask, tree_positions
 
 # ----------------------------------------------------------------------------- decoding
 
@@ -86,7 +86,7 @@ def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids:
 def as_stored(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
     """Live target features rounded exactly as the shards store them, so the drafter sees at
     inference what it saw in training."""
-    from dflash_pipeline.shards import decode_features, encode_features
+    from dflash_pipeline.data.shards import decode_features, encode_features
 
     if feature_dtype == "bf16":  # the shards' bf16 is exactly this rounding; stays on the device
         return features.to(torch.bfloat16)

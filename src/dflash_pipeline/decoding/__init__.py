@@ -1,0 +1,1 @@
+"""The decoding wing: sampling rules, draft trees, and the engine that decodes with the target."""

@@ -1,0 +1,1 @@
+"""The evaluate wing: the teacher-forced scorer and the `evaluate` stage."""

@@ -1,0 +1,1 @@
+"""The train wing: the training objective and the `train` stage's loop."""
