@@ -27,14 +27,14 @@ RECIPES = {
     #   python bench/train_study.py --recipes default,dflash2 --minutes 6 --out bench/results/dflash2_study
     "default": {},
     "dflash2": {"architecture": "dflash2"},
-    "dflash2 rank16 k8": {"architecture": "dflash2", "selector_rank": 16, "selector_top_k": 8},
+    "dflash2 rank16 k8": {"architecture": "dflash2", "options": {"dflash2": {"selector_rank": 16, "selector_top_k": 8}}},
     # the DFlash2 selector's sizes around the default (params.yaml is dflash2 now, so "default" is their baseline),
     # at equal steps: a weight costs nothing per step, and a cold first probe misjudges the step time
     #   python bench/train_study.py --recipes default,"selector w0.5","selector w2","selector rank128" --steps 1200 \
     #       --out bench/results/selector_study
-    "selector w0.5": {"selector_weight": 0.5},
-    "selector w2": {"selector_weight": 2.0},
-    "selector rank128": {"selector_rank": 128},
+    "selector w0.5": {"options": {"dflash2": {"selector_weight": 0.5}}},
+    "selector w2": {"options": {"dflash2": {"selector_weight": 2.0}}},
+    "selector rank128": {"options": {"dflash2": {"selector_rank": 128}}},
     "baseline B16 lr6e-4 a16": {},
     "data vocab": {"train_vocab": "data"},
     "B8 lr2e-3": {"block_size": 8, "lr": 2e-3},

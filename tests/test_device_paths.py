@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, stage_env
+from dflash_pipeline.drafters.core import Proposal
 from dflash_pipeline import devices
 from dflash_pipeline.drafters import core as model_module
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
@@ -191,7 +192,7 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
         def propose(cache, anchor):
             produced = cache.length - prompt_length  # answer tokens committed before the anchor
             proposal = answer[produced + 1 : produced + 5]
-            return proposal + [0] * (4 - len(proposal))
+            return Proposal(proposal + [0] * (4 - len(proposal)))
 
         return propose
 

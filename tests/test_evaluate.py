@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_pipeline.drafters.core import Proposal
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.decoding.engine import (
     DecodeRun,
@@ -298,16 +299,20 @@ def test_batched_scores_equal_one_block_at_a_time(anchors, logits_chunk, blocks_
 def test_dflash2_scores_the_selector_walk_batched_as_one_block_at_a_time():
     from test_dflash2 import randomize
 
-    drafter, head, split = small_vocab_setup(vocab=12, architecture="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=4,
-                                             selector_top_k=4)
+    drafter, head, split = small_vocab_setup(vocab=12, architecture="dflash2", options=dict(conv_kernel_size=2, conv_group_size=8,
+                                                                                                  selector_rank=4, selector_top_k=4))
     randomize(drafter, seed=3)  # an untrained selector walks the argmax: make it choose
     batched = score_teacher_forced(drafter, head, split, anchors_per_sequence=0, tokens_per_batch=70, tree_budgets=[4], logits_chunk=7,
                                    blocks_per_forward=9)
     plain = score_one_block_at_a_time(drafter, head, split, anchors_per_sequence=0, tree_budgets=[4])
-    for name in ("correct", "argmax_correct", "in_top_k", "valid"):
+    for name in ("correct", "valid"):
         assert np.array_equal(getattr(batched, name), getattr(plain, name)), name
-    assert not np.array_equal(batched.correct, batched.argmax_correct)  # the walk is not each slot's argmax
-    assert (batched.in_top_k >= batched.correct).all() and (batched.in_top_k >= batched.argmax_correct).all()
+    assert batched.architecture == plain.architecture == "dflash2" and set(batched.extras) == set(plain.extras) == {"argmax_correct", "in_top_k"}
+    for name in batched.extras:
+        assert np.array_equal(batched.extras[name], plain.extras[name]), name
+    argmax_correct, in_top_k = batched.extras["argmax_correct"], batched.extras["in_top_k"]
+    assert not np.array_equal(batched.correct, argmax_correct)  # the walk is not each slot's argmax
+    assert (in_top_k >= batched.correct).all() and (in_top_k >= argmax_correct).all()
     summary = summarize_blocks(batched)
     assert summary["tau_oracle"] >= max(summary["tau"], summary["tau_argmax"])
     assert summary["tau_selector_gain"] == pytest.approx(summary["tau"] - summary["tau_argmax"], abs=1e-3)
@@ -355,8 +360,8 @@ def test_a_dflash2_drafter_decodes_losslessly_with_its_selector(tiny_target, mod
 
     model, tap, head, drafter, prompt = tiny_target
     torch.manual_seed(0)
-    dflash2 = randomize(DFlashDrafter(replace(drafter.config, architecture="dflash2", conv_kernel_size=2, conv_group_size=16,
-                                              selector_rank=8, selector_top_k=4)), seed=2)
+    dflash2 = randomize(DFlashDrafter(replace(drafter.config, architecture="dflash2", options=dict(conv_kernel_size=2, conv_group_size=16,
+                                              selector_rank=8, selector_top_k=4))), seed=2)
     if mode in ("chain", "tree"):
         propose = drafter_proposer(dflash2, head) if mode == "chain" else tree_proposer(dflash2, head, 6)
         plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
@@ -379,7 +384,7 @@ def oracle(reference: list[int], wrong_from: int | None = None, block_size: int 
         proposal += [0] * (block_size - 1 - len(proposal))
         if wrong_from is not None:
             proposal[wrong_from:] = [7] * (block_size - 1 - wrong_from)
-        return proposal
+        return Proposal(proposal)
 
     return propose
 
@@ -438,6 +443,9 @@ class ScriptedTarget(torch.nn.Module):
         for row, position in enumerate(positions):
             logits[0, row, self.script[position]] = 1.0
         self.features = torch.randn(1, len(positions), self.feature_width)
+        if cache is not None and use_cache:  # a real KV cache entry per position, so cropping and keep_path act on it
+            entries = torch.tensor(positions, dtype=torch.float32).view(1, 1, -1, 1)
+            cache.update(entries, entries.clone(), 0)
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
@@ -544,7 +552,7 @@ def test_speculative_decoding_with_a_draft_vocabulary_stays_lossless(tiny_target
 
     def recording(cache, anchor):
         proposal = propose(cache, anchor)
-        proposed.extend(proposal)
+        proposed.extend(proposal.tokens)
         return proposal
 
     spec = speculative_decode(model, tap, restricted, recording, prompt, max_new_tokens=30, eos_ids={2})

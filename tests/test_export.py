@@ -367,13 +367,13 @@ def test_a_draft_vocabulary_travels_beside_the_public_files(tmp_path):
 
 def tiny_dflash2_config(**overrides) -> DrafterConfig:
     # Three taps (released drafters use two) so that a tap read from the wrong offset shows up.
-    return tiny_config(architecture="dflash2", conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5,
+    return tiny_config(architecture="dflash2", options=dict(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5),
                        **overrides)
 
 
 def smollm2_dflash2_config() -> DrafterConfig:
-    return replace(smollm2_config(), architecture="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=64,
-                   selector_top_k=16)
+    return replace(smollm2_config(), architecture="dflash2", options=dict(conv_kernel_size=2, conv_group_size=16, selector_rank=64,
+                   selector_top_k=16))
 
 
 DFLASH2_NAMES = {f"layers.{i}.{side}_conv.{name}" for i in range(2) for side in ("attention", "mlp")
@@ -403,7 +403,7 @@ def test_dflash2_export_writes_the_public_contract_and_round_trips(tmp_path):
 
 
 def test_a_dflash2_draft_vocabulary_travels_beside_the_full_vocabulary_codebooks(tmp_path):
-    from dflash_pipeline.drafters.core import select_block
+    from dflash_pipeline.drafters.dflash2 import select_block
 
     drafter = random_drafter(tiny_dflash2_config())
     drafter.set_draft_vocab(torch.tensor([9, 4, 17, 30, 55, 61, 80]))
@@ -447,7 +447,7 @@ def test_published_dflash2_folders_load_as_baselines(tmp_path):
 DFLASH2_LOADER_FAULTS = {
     "no selector rank": (_edit_config(dflash_config={"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "conv_kernel_size": 3,
                                                      "conv_group_size": 8, "selector_top_k": 5}),
-                         ["config.json", "dflash_config.selector_rank"]),
+                         ["config.json", "dflash_config.options.selector_rank"]),
     "softcapped logits": (_edit_config(final_logit_softcapping=30.0), ["config.json", "final_logit_softcapping"]),
     "uneven groups": (_edit_config(dflash_config={"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "conv_kernel_size": 3,
                                                   "conv_group_size": 5, "selector_rank": 6, "selector_top_k": 5}),
@@ -485,7 +485,8 @@ def test_zlab_reference_drafts_the_same_dflash2_logits_and_paths(tmp_path, zlab_
     Its top-K is unsorted, so candidates and q are compared per token id."""
     from transformers import DynamicCache
 
-    from dflash_pipeline.drafters.core import draft_hidden, select_block
+    from dflash_pipeline.drafters.core import draft_hidden
+    from dflash_pipeline.drafters.dflash2 import select_block
 
     config = make_config()
     drafter, head = random_drafter(config), random_head(config)
@@ -495,7 +496,7 @@ def test_zlab_reference_drafts_the_same_dflash2_logits_and_paths(tmp_path, zlab_
     assert not loading["missing_keys"] and not loading["unexpected_keys"] and not loading["mismatched_keys"]
     selector = reference.candidate_selector
     assert (list(reference.target_layer_ids), reference.block_size, reference.mask_token_id, selector.top_k) == \
-        (list(config.target_layer_ids), config.block_size, config.mask_token_id, config.selector_top_k)
+        (list(config.target_layer_ids), config.block_size, config.mask_token_id, config.options.selector_top_k)
     assert torch.equal(selector.predecessor_codebook.weight, drafter.candidate_selector.predecessor_codebook)
 
     generator = torch.Generator().manual_seed(2)

@@ -62,8 +62,8 @@ def goodness_of_fit(samples: list[int], probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
-ARCHITECTURES = {"dflash": {}, "dflash2": dict(architecture="dflash2", conv_kernel_size=2, conv_group_size=8, selector_rank=4,
-                                               selector_top_k=8)}
+ARCHITECTURES = {"dflash": {}, "dflash2": dict(architecture="dflash2", options=dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4,
+                                                                                   selector_top_k=8))}
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

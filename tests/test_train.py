@@ -502,12 +502,12 @@ def test_a_data_vocabulary_drafter_keeps_its_vocabulary_in_the_checkpoint(tiny_r
 
 # ----------------------------------------------------------------------------- DFlash2
 
-TINY_DFLASH2 = replace(TINY_TRAIN, architecture="dflash2", selector_rank=8, selector_top_k=4)
+TINY_DFLASH2 = replace(TINY_TRAIN, architecture="dflash2", options={"dflash2": dict(selector_rank=8, selector_top_k=4)})
 
 
 def test_selector_loss_is_k_way_cross_entropy_with_the_answer_put_in_when_missing():
     from dflash_pipeline.drafters.dflash2 import CandidateSelector
-    from dflash_pipeline.train.loss import selector_loss
+    from dflash_pipeline.drafters.dflash2 import selector_loss
 
     torch.manual_seed(0)
     selector = CandidateSelector(hidden_size=8, vocab_size=40, rank=4, top_k=3)
@@ -546,12 +546,13 @@ def test_selector_loss_is_k_way_cross_entropy_with_the_answer_put_in_when_missin
 def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
     from dflash_pipeline.train.loss import block_loss
     from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.drafters.dflash2 import DFlash2LossOptions
     from dflash_pipeline.target.load import TargetHead
 
     torch.manual_seed(0)
     config = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=8, vocab_size=50, block_size=4, target_layer_ids=(0, 1), num_target_layers=2, mask_token_id=49,
-                           architecture="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4)
+                           architecture="dflash2", options=dict(conv_group_size=8, selector_rank=8, selector_top_k=4))
     drafter = DFlashDrafter(config).train()
     head = TargetHead(torch.randn(50, 32), torch.randn(50, 32))
     samples = [_sample(torch.randint(0, 48, (24,)).tolist(), [0] * 4 + [1] * 20, width=64) for _ in range(2)]
@@ -561,16 +562,16 @@ def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     curve = []
     for _ in range(60):
-        stats = {}
-        loss, _, _ = block_loss(drafter, head, batch, logits_chunk=16, selector_weight=1.0, stats=stats)
+        result = block_loss(drafter, head, batch, logits_chunk=16, loss_options=DFlash2LossOptions(selector_weight=1.0))
+        loss, stats = result.loss, result.extra_stats
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        curve.append((loss.item(), stats["selector_loss"], stats["selector_hits"] / stats["selector_slots"]))
+        curve.append((loss.item(), float(stats["selector_loss"]), int(stats["selector_hits"]) / int(stats["selector_slots"])))
     (first_loss, first_selector, _), (last_loss, last_selector, last_hits) = curve[0], curve[-1]
     assert last_loss < 0.3 * first_loss and last_selector < 0.3 * first_selector and last_hits > 0.9, curve[::10]
     assert drafter.layers[0].mlp_conv.kernel_projection.weight.abs().sum() > 0  # the convolution left the identity
-    plain = block_loss(drafter, head, batch, logits_chunk=16)[0]
+    plain = block_loss(drafter, head, batch, logits_chunk=16, loss_options=DFlash2LossOptions(selector_weight=0.0)).loss
     assert plain.item() < loss.item()  # the selector term was part of the loss
 
 
@@ -581,7 +582,7 @@ def test_dflash2_trains_resumes_exactly_and_is_its_own_run_configuration(tiny_ru
     assert all(math.isfinite(loss) for loss in losses) and "selector_acc" in full["curve"][0]
     drafter, info = load_checkpoint(tmp_path / "reference" / "step_000006")
     assert info["drafter"]["architecture"] == "dflash2" and info["train_config"]["selector_top_k"] == 4
-    assert drafter.config.selector_rank == 8 and hasattr(drafter, "candidate_selector")
+    assert drafter.config.options.selector_rank == 8 and hasattr(drafter, "candidate_selector")
 
     out = tmp_path / "ck"
     _train_killed_after_the_state_of(4, tiny_run, out, config, monkeypatch)
@@ -602,7 +603,8 @@ def test_dflash2_nan_loss_stops_and_keeps_the_last_checkpoint(tiny_run, tmp_path
 
 
 def test_dflash2_two_gloo_processes_match_one_process(tiny_run, tmp_path):
-    dflash2 = dict(architecture="dflash2", selector_rank=8, selector_top_k=4, max_steps=3, eval_every=3, save_every=3)
+    dflash2 = dict(architecture="dflash2", options={"dflash2": dict(selector_rank=8, selector_top_k=4)}, max_steps=3, eval_every=3,
+                   save_every=3)
     single = tmp_path / "single" / "ck"
     run(_stage_cmd(tmp_path, tiny_run, single, **dflash2), cwd=tmp_path)
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29545")

@@ -4,6 +4,7 @@ tree decoding that stays lossless where the answer lies off the drafter's top-1 
 import pytest
 import torch
 
+from dflash_pipeline.drafters.core import Proposal
 from dflash_pipeline.decoding.engine import greedy_decode, keep_path, speculative_decode, tree_proposer, verify_tree
 from dflash_pipeline.decoding.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
 
@@ -110,7 +111,8 @@ def rigged_tree_proposer(answer: list[int], prompt_length: int, budget: int, *, 
             rank = right_rank if slot == 1 else 0
             ids.append(decoys[:rank] + [right] + decoys[rank:])
             rows.append([-0.1 * r - (0.05 if slot > 1 else 0.0) for r in range(len(ids[-1]))])
-        return build_draft_tree(rows, ids, budget)
+        tree = build_draft_tree(rows, ids, budget)
+        return Proposal(tree.tokens, tree=tree)
 
     return propose
 
@@ -141,7 +143,8 @@ def test_an_eos_inside_the_tree_ends_the_answer_and_a_rejected_tree_commits_the_
     assert run.tokens == plain.tokens == answer[:3] and run.steps == [4]
 
     def hopeless(cache, anchor):  # no node is ever the target's token
-        return build_draft_tree([[0.0, -1.0]] * 3, [[1, 2]] * 3, 6)
+        tree = build_draft_tree([[0.0, -1.0]] * 3, [[1, 2]] * 3, 6)
+        return Proposal(tree.tokens, tree=tree)
 
     rejected = speculative_decode(target, tap, drafter, hopeless, prompt, max_new_tokens=10, eos_ids=set())
     assert rejected.tokens == answer[:10] and set(rejected.steps) == {1}

@@ -136,20 +136,12 @@ class TrainConfig:
     # Distillation: weight α of the target's captured top-K distribution in each slot's target,
     # (1 - α)·one-hot + α·p_target (0 = plain CE on the answer tokens).
     distill_weight: float = 0.5
-    # "dflash", or "dflash2": DFlash plus a block-local convolution around every sublayer and a
-    # candidate selector that walks one path through each slot's top-K (the keys below size it;
-    # "dflash" ignores them and leaves them out of the run's record, so its checkpoints resume).
+    # The drafter architecture: a member of the family (src/dflash_pipeline/drafters/family.py
+    # lists them; params.yaml says what each is).
     architecture: str = "dflash2"
-    # Taps of the convolution (2: a slot and its predecessor in the block, as released).
-    conv_kernel_size: int = 2
-    # Channels that share one content-adaptive kernel; must divide the target's hidden size.
-    conv_group_size: int = 16
-    # Width of the selector's token codebooks (2 x vocab x rank weights; released: 256 on a 27B target).
-    selector_rank: int = 64
-    # Candidates per slot the selector chooses among.
-    selector_top_k: int = 16
-    # Weight of the selector's K-way cross-entropy beside the drafted slots' loss.
-    selector_weight: float = 1.0
+    # Per architecture, its own options: {name: {key: value}}; only the chosen one's are read,
+    # missing keys take the defaults in its module (drafters/<name>.py), unknown keys stop the run.
+    options: dict = dataclasses.field(default_factory=dict)
     # Held-out teacher-forced tau every eval_every steps, on eval_blocks fixed val blocks.
     eval_every: int = 200
     eval_blocks: int = 512
@@ -176,12 +168,7 @@ class TrainConfig:
             ("train_vocab", self.train_vocab in ("full", "data"), "must be 'full' or 'data'"),
             ("feature_norm", self.feature_norm in ("none", "channel_rms"), "must be 'none' or 'channel_rms'"),
             ("distill_weight", 0.0 <= self.distill_weight <= 1.0, "must be in [0, 1]"),
-            ("architecture", self.architecture in ("dflash", "dflash2"), "must be 'dflash' or 'dflash2'"),
-            ("conv_kernel_size", self.conv_kernel_size >= 1, "must be >= 1"),
-            ("conv_group_size", self.conv_group_size >= 1, "must be >= 1"),
-            ("selector_rank", self.selector_rank >= 1, "must be >= 1"),
-            ("selector_top_k", self.selector_top_k >= 2, "must be >= 2"),
-            ("selector_weight", self.selector_weight >= 0.0, "must be >= 0"),
+            ("options", all(isinstance(v, dict) for v in self.options.values()), "must map architecture names to mappings"),
             ("eval_every", self.eval_every >= 1, "must be >= 1"),
             ("eval_blocks", self.eval_blocks >= 1, "must be >= 1"),
             ("save_every", self.save_every >= 1, "must be >= 1"),
@@ -279,8 +266,9 @@ def _type_ok(value: object, annotation: object) -> bool:
     return isinstance(value, annotation)  # type: ignore[arg-type]
 
 
-def section_from_dict(cls: type, raw: object, *, section: str, source: str = "params.yaml"):
-    """Build dataclass `cls` from `raw`, failing on unknown, missing or mistyped keys."""
+def section_from_dict(cls: type, raw: object, *, section: str, source: str = "params.yaml", partial: bool = False):
+    """Build dataclass `cls` from `raw`, failing on unknown, missing or mistyped keys (`partial`:
+    missing keys take the dataclass's defaults)."""
     if not isinstance(raw, dict):
         raise PipelineError(f"{source}: section '{section}' must be a mapping")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -288,10 +276,12 @@ def section_from_dict(cls: type, raw: object, *, section: str, source: str = "pa
     if unknown:
         raise PipelineError(f"{source}: unknown key '{section}.{unknown[0]}' (known: {', '.join(fields)})")
     missing = sorted(set(fields) - set(raw))
-    if missing:
+    if missing and not partial:
         raise PipelineError(f"{source}: missing key '{section}.{missing[0]}'")
     values = {}
     for name, field in fields.items():
+        if name not in raw:
+            continue
         value = raw[name]
         if not _type_ok(value, field.type):
             raise PipelineError(
@@ -326,20 +316,6 @@ def load_params(path: Path | str = "params.yaml") -> Params:
         raise PipelineError(f"{path}: missing section '{missing[0]}'")
     sections = {name: section_from_dict(cls, raw[name], section=name, source=str(path)) for name, cls in SECTIONS.items()}
     return Params(**sections)
-
-
-# TrainConfig keys only DFlash2 reads; a dflash run leaves them out of its record (`train_record_config`).
-DFLASH2_TRAIN_KEYS = ("architecture", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_weight")
-
-
-def train_record_config(config: TrainConfig) -> dict:
-    """The train config as a run's record holds it: every key, less the DFlash2 ones in a dflash
-    run (so checkpoints made before DFlash2 existed still count as the same run)."""
-    data = as_dict(config)
-    if config.architecture == "dflash":
-        for key in DFLASH2_TRAIN_KEYS:
-            del data[key]
-    return data
 
 
 def as_dict(config: object) -> dict:

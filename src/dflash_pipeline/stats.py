@@ -11,6 +11,11 @@ import math
 import numpy as np
 
 
+def acceptance_length(correct: np.ndarray) -> np.ndarray:
+    """τ per block: 1 + the number of leading drafted slots that are correct. correct [n, B-1]."""
+    return 1 + np.cumprod(correct.astype(np.int64), axis=1).sum(axis=1)
+
+
 def mean_ci95(values: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its normal-approximation 95% confidence interval."""
     n = len(values)

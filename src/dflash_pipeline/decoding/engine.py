@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from dflash_pipeline.devices import autocast, synchronize, timed
-from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block, select_block
+from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, Proposal
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.decoding.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.stats import mean_ci95
 from dflash_pipeline.target.load import TargetHead
-from dflash_pipeline.decoding.trees import DraftTree, build_draft_tree, ranked_candidates, tree_attention_mask, tree_positions
+from dflash_pipeline.decoding.trees import DraftTree, tree_attention_mask, tree_positions
 
 # ----------------------------------------------------------------------------- decoding
 
@@ -94,64 +94,18 @@ def as_stored(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
     return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
 
 
-@dataclass
-class Proposal:
-    """Drafted tokens and, for the "ratio" rule, the drafter's distribution q [k, V] of each slot."""
-
-    tokens: list[int]
-    q: torch.Tensor | None = None
-
-
 def drafter_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Sampling | None = None):
-    """The proposal function of a drafter: B-1 tokens after the anchor, its argmax at T = 0 (and
-    under the "match" rule), sampled from q at the sampling temperature under "ratio" (then with q
-    over the full vocabulary, zero outside a draft vocabulary)."""
+    """The proposal function of a drafter's chains, as its architecture drafts them
+    (`Architecture.chain_proposer`): greedy at T = 0, and under the sampling rule otherwise, with
+    the drafter's own random stream."""
     generator = sampling.generator(offset=1) if sampling else None  # the drafter's own stream
-    if drafter.config.architecture == "dflash2":
-        return _selector_proposer(drafter, head, sampling, generator)
-
-    def propose(cache: DraftCache, anchor: int):
-        logits = draft_block(drafter, head, cache, anchor)
-        if sampling is None:
-            return drafter.vocab_tokens(logits.argmax(-1)).tolist()
-        if sampling.rule == "match":
-            return Proposal(drafter.vocab_tokens(logits.argmax(-1)).tolist())
-        columns = sampling.probs(logits)
-        picked = [draw(row, generator) for row in columns]
-        ids = drafter.vocab_tokens(torch.arange(columns.shape[-1], device=logits.device)).cpu()
-        q = torch.zeros(columns.shape[0], head.lm_head_weight.shape[0]).index_copy_(1, ids, columns)
-        return Proposal(ids[picked].tolist(), q)
-
-    return propose
-
-
-def _selector_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Sampling | None, generator):
-    """A DFlash2 drafter proposes the candidate selector's walk from the anchor (`model.select_block`):
-    greedy at T = 0 and under "match"; under "ratio" sampled at the sampling temperature, with q
-    each slot's draw probabilities over its K candidates (zero elsewhere). A slot's q depends on
-    the token drawn before it, which the ratio test allows (as for any autoregressive drafter)."""
-
-    def propose(cache: DraftCache, anchor: int):
-        if sampling is None or sampling.rule == "match":
-            tokens = select_block(drafter, head, cache, anchor).tokens[0].tolist()
-            return tokens if sampling is None else Proposal(tokens)
-        path = select_block(drafter, head, cache, anchor, temperature=sampling.temperature, generator=generator)
-        q = torch.zeros(path.q.shape[1], head.lm_head_weight.shape[0]).scatter_(1, path.candidates[0].cpu(), path.q[0].float().cpu())
-        return Proposal(path.tokens[0].tolist(), q)
-
-    return propose
+    return drafter.architecture.chain_proposer(drafter, head, sampling, generator)
 
 
 def tree_proposer(drafter: DFlashDrafter, head: TargetHead, budget: int):
     """The proposal function of tree decoding (T = 0): the DDTree of the `budget` most probable
-    drafted prefixes of the block, from the drafter's per-slot distributions (`trees`; for a
-    DFlash2 drafter, its head's per-slot logits: the selector walks one path, not a tree)."""
-
-    def propose(cache: DraftCache, anchor: int) -> DraftTree:
-        logprobs, columns = ranked_candidates(draft_block(drafter, head, cache, anchor), budget)
-        return build_draft_tree(logprobs.double().cpu().tolist(), drafter.vocab_tokens(columns).cpu().tolist(), budget)
-
-    return propose
+    drafted prefixes of the block, as the drafter's architecture builds it (`Architecture.tree_proposer`)."""
+    return drafter.architecture.tree_proposer(drafter, head, budget)
 
 
 def keep_path(cache, start: int, path: list[int]) -> None:
@@ -159,8 +113,6 @@ def keep_path(cache, start: int, path: list[int]) -> None:
     accepted path's nodes, in order, and drop the rest (siblings, rejected branches)."""
     if path != list(range(len(path))):  # a prefix of the node order is already in place
         for layer in cache.layers:
-            if getattr(layer, "keys", None) is None:  # never written (a stand-in target in the tests)
-                continue
             if getattr(layer, "is_sliding", False):
                 raise ValueError("tree verification needs a full-attention KV cache (this target has sliding-window layers)")
             index = torch.tensor([start + node for node in path], device=layer.keys.device)
@@ -192,18 +144,18 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
                        on_tokens=None) -> DecodeRun:
     """Lossless speculative decoding of one prompt: greedy at T = 0, or sampled with `sampling`.
 
-    Loop: the drafter proposes up to B-1 tokens after the anchor (the last committed token; fewer
-    when `propose` is cut to a shorter verify length, `verified_prefix`), or a `DraftTree`
-    (`tree_proposer`); the target verifies [anchor, proposal] in one forward (`verify_tree` for a
+    Loop: the drafter proposes (a `Proposal`) up to B-1 tokens after the anchor (the last committed
+    token; fewer when `propose` is cut to a shorter verify length, `verified_prefix`), or a
+    `DraftTree` (`tree_proposer`); the target verifies [anchor, proposal] in one forward (`verify_tree` for a
     tree); the matching prefix (the longest agreeing tree path) plus the target's own next
     token (the bonus) are committed; the target KV cache is cropped to the committed length and
     the drafter's context cache is extended with the committed positions' features only.
     `tap` is the capture stage's LayerTap on `model`, so features come from the same layers as
-    the shards. `propose(cache, anchor) -> list[int]` is the drafter (replaceable in tests).
+    the shards. `propose(cache, anchor) -> Proposal` is the drafter (replaceable in tests).
     The drafter's work runs under bf16 autocast when `bf16` says so (default: on CUDA); the target
     runs in its own dtype, exactly as in `greedy_decode`.
 
-    With `sampling` (T > 0), `propose` returns a `Proposal` (`drafter_proposer(..., sampling)`) and
+    With `sampling` (T > 0), `propose` is `drafter_proposer(..., sampling)` (q with the tokens) and
     each step is verified by `sampling.verify_chain` under `sampling.rule`: the committed tokens are
     distributed exactly as `greedy_decode(..., sampling=...)` samples them. `on_tokens(list)` sees
     each step's committed tokens (streaming).
@@ -229,31 +181,18 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
         began = time.perf_counter()
         with autocast(device, bf16):
             proposal = propose(draft_cache, anchor)
-        q = None
-        if isinstance(proposal, Proposal):
-            proposal, q = proposal.tokens, proposal.q
         synchronize(device)
         drafted = time.perf_counter()
-        if isinstance(proposal, DraftTree):
+        if proposal.tree is not None:
             if sampling is not None:
                 raise ValueError("tree verification is lossless at T = 0 only: sample with a chain")
-            path, bonus = verify_tree(model, cache, proposal, anchor, position)
+            path, bonus = verify_tree(model, cache, proposal.tree, anchor, position)
             accepted_tokens, feature_rows = [proposal.tokens[node] for node in path], [0] + [1 + node for node in path]
         else:
-            out = model(input_ids=torch.tensor([[anchor] + proposal], device=device),
-                        position_ids=torch.arange(position, position + len(proposal) + 1, device=device)[None], cache=cache, use_cache=True)
-            if sampling is None:
-                choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
-                accepted = 0
-                while accepted < len(proposal) and proposal[accepted] == choice[accepted]:
-                    accepted += 1
-                bonus = choice[accepted]
-            else:
-                accepted, bonus = verify_chain(sampling.probs(out.logits[0]), proposal, q, rule=sampling.rule, generator=generator)
-            _crop(cache, position + accepted + 1)
-            accepted_tokens, feature_rows = proposal[:accepted], list(range(accepted + 1))
+            accepted, bonus = verify_chain_step(model, cache, proposal, anchor, position, sampling, generator)
+            accepted_tokens, feature_rows = proposal.tokens[:accepted], list(range(accepted + 1))
         accepted = len(accepted_tokens)
-        run.drafted += len(proposal)
+        run.drafted += len(proposal.tokens)
         synchronize(device)
         verified = time.perf_counter()
         with autocast(device, bf16):
@@ -283,15 +222,35 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     return run
 
 
+def verify_chain_step(model, cache, proposal: Proposal, anchor: int, position: int, sampling: Sampling | None,
+                      generator) -> tuple[int, int]:
+    """Verify a drafted chain in one target forward over [anchor, tokens...] (the anchor at
+    `position`): the longest prefix the target's argmax agrees with at T = 0, or the lossless rule
+    of `sampling` (`sampling.verify_chain`). Returns (accepted tokens, the target's bonus token);
+    the cache then holds the prefix, the anchor and the accepted tokens."""
+    tokens = proposal.tokens
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([[anchor] + tokens], device=device),
+                position_ids=torch.arange(position, position + len(tokens) + 1, device=device)[None], cache=cache, use_cache=True)
+    if sampling is None:
+        choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
+        accepted = 0
+        while accepted < len(tokens) and tokens[accepted] == choice[accepted]:
+            accepted += 1
+        bonus = choice[accepted]
+    else:
+        accepted, bonus = verify_chain(sampling.probs(out.logits[0]), tokens, proposal.q, rule=sampling.rule, generator=generator)
+    _crop(cache, position + accepted + 1)
+    return accepted, bonus
+
+
 def verified_prefix(propose, tokens: int):
     """`propose` cut to its first `tokens` drafted tokens: the target then verifies tokens + 1
     positions per step. Lossless at any length; which length pays best is `choose_verify_tokens`'s."""
 
     def shorter(cache: DraftCache, anchor: int):
         proposal = propose(cache, anchor)
-        if isinstance(proposal, Proposal):
-            return Proposal(proposal.tokens[:tokens], None if proposal.q is None else proposal.q[:tokens])
-        return proposal[:tokens]
+        return Proposal(proposal.tokens[:tokens], None if proposal.q is None else proposal.q[:tokens])
 
     return shorter
 

@@ -5,11 +5,46 @@ embedding and LM head fit; the mask token is an embedding row no real token uses
 token absent from the data; the weights are random or the target's top layers (`train.init`).
 """
 
-from dflash_pipeline.config import TrainConfig
+from dataclasses import dataclass
+
+from dflash_pipeline.config import TrainConfig, as_dict
+from dflash_pipeline.drafters import family
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.target.folder import read_tensors
 from dflash_pipeline.target.load import TargetInfo
+
+
+@dataclass(frozen=True)
+class ArchitectureChoice:
+    """The run's architecture and its resolved options (`train.architecture`, `train.options.<name>`)."""
+
+    member: object  # drafters.architecture.Architecture
+    options: object  # member.options_type: part of the drafter's config
+    loss_options: object  # member.loss_options_type: training only
+
+    def record(self, config: TrainConfig) -> dict:
+        """The train config as a run's record holds it (resume compares it): every shared key and
+        the chosen architecture's options, resolved (plain DFlash adds nothing, so checkpoints made
+        before there was a family still count as the same run)."""
+        data = as_dict(config)
+        del data["architecture"], data["options"]
+        return {**data, **self.member.record(self.options, self.loss_options)}
+
+
+def choose_architecture(config: TrainConfig, *, source: str = "params.yaml") -> ArchitectureChoice:
+    """The member `train.architecture` names, with its options from `train.options`: a name the
+    family does not know, or a bad option of any architecture listed there, stops with its key."""
+    if config.architecture not in family.names():
+        raise PipelineError(f"{source}: key 'train.architecture' must be one of {', '.join(family.names())}, got {config.architecture!r}")
+    unknown = sorted(set(config.options) - set(family.names()))
+    if unknown:
+        raise PipelineError(f"{source}: unknown key 'train.options.{unknown[0]}' (architectures: {', '.join(family.names())})")
+    for name, raw in config.options.items():  # the others too: a typo in one is caught before it is chosen
+        family.architecture(name).train_options(raw, source=source)
+    member = family.architecture(config.architecture)
+    options, loss_options = member.train_options(config.options.get(member.name), source=source)
+    return ArchitectureChoice(member, options, loss_options)
 
 
 def choose_mask_token(target: TargetInfo, used_ids: set[int]) -> tuple[int, str]:
@@ -27,8 +62,9 @@ def choose_mask_token(target: TargetInfo, used_ids: set[int]) -> tuple[int, str]
     raise PipelineError("train.mask_token_id: no unused embedding row and every special token occurs in the data; set it explicitly")
 
 
-def drafter_config_for(target: TargetInfo, config: TrainConfig, *, layer_ids: list[int], mask_token_id: int, extra: dict) -> DrafterConfig:
-    """Sizes copied from the target's config.json; depth and block from the train params."""
+def drafter_config_for(target: TargetInfo, config: TrainConfig, *, layer_ids: list[int], mask_token_id: int, extra: dict,
+                       source: str = "params.yaml") -> DrafterConfig:
+    """Sizes copied from the target's config.json; depth, block and architecture from the train params."""
     from transformers import AutoConfig
 
     text = AutoConfig.from_pretrained(target.path)
@@ -36,32 +72,30 @@ def drafter_config_for(target: TargetInfo, config: TrainConfig, *, layer_ids: li
     rope = getattr(text, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    if config.architecture == "dflash2" and text.hidden_size % config.conv_group_size:
-        raise PipelineError(f"params.yaml: train.conv_group_size {config.conv_group_size} does not divide the target's "
-                            f"hidden size {text.hidden_size}")
-    # A dflash drafter keeps the DFlash2 sizes at their defaults: they are not part of what it is.
-    dflash2_sizes = {} if config.architecture == "dflash" else dict(
-        architecture=config.architecture, conv_kernel_size=config.conv_kernel_size, conv_group_size=config.conv_group_size,
-        selector_rank=config.selector_rank, selector_top_k=config.selector_top_k)
-    return DrafterConfig(
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
-        num_layers=config.num_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
-        head_dim=head_dim,
-        vocab_size=text.vocab_size,
-        block_size=config.block_size,
-        target_layer_ids=tuple(layer_ids),
-        num_target_layers=target.num_layers,
-        mask_token_id=mask_token_id,
-        rms_norm_eps=float(text.rms_norm_eps),
-        rope_theta=float(theta),
-        max_position_embeddings=int(getattr(text, "max_position_embeddings", 32768)),
-        sliding_window=config.sliding_window,
-        extra=extra,
-        **dflash2_sizes,
-    )
+    choice = choose_architecture(config, source=source)
+    try:
+        return DrafterConfig(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_layers=config.num_layers,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", text.num_attention_heads),
+            head_dim=head_dim,
+            vocab_size=text.vocab_size,
+            block_size=config.block_size,
+            target_layer_ids=tuple(layer_ids),
+            num_target_layers=target.num_layers,
+            mask_token_id=mask_token_id,
+            rms_norm_eps=float(text.rms_norm_eps),
+            rope_theta=float(theta),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 32768)),
+            sliding_window=config.sliding_window,
+            extra=extra,
+            architecture=choice.member.name,
+            options=choice.options,
+        )
+    except ValueError as exc:  # sizes the architecture refuses for this target (e.g. a group that does not divide hidden_size)
+        raise PipelineError(f"{source}: train.options.{choice.member.name}: {exc} (the target {target.path})") from None
 
 
 def init_from_target_layers(drafter: DFlashDrafter, target: TargetInfo) -> list[int]:

@@ -9,9 +9,9 @@ References: DFlash (arXiv 2602.06036, z-lab/dflash), SpecForge's trainer.
                  block a..a+B-1), attention bidirectional inside the block, SwiGLU MLP
     norm(x) --frozen lm_head--> logits of slots 1..B-1
 
-DFlash2 (`architecture: dflash2`) wraps every attention and MLP sublayer in a block-local
-convolution and adds a candidate selector that walks one path through each slot's top-K
-(`dflash2`); `select_block` drafts a block that way.
+An architecture of the family (`drafters.family`, one module per member) may wrap the attention
+and MLP sublayers of every layer (DFlash2's block-local convolution) and add modules of its own
+(DFlash2's candidate selector); the core asks the member, it never tests a name.
 
 The drafter owns no embedding and no LM head: `target.TargetHead` holds the target's two frozen
 tensors, read straight from its weight files. Training drafts every anchor block of a packed
@@ -19,18 +19,14 @@ batch of sequences in one forward (`forward_blocks`, with the DFlash mask of `df
 sliding window included); inference keeps a KV cache of the context (`DraftCache`, `draft_block`).
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_pipeline.drafters.dflash2 import CandidateSelector, GroupedDynamicCausalConv, SelectedPath, select_paths
-
-ARCHITECTURES = ("dflash", "dflash2")
-# DrafterConfig fields only DFlash2 reads; a DFlash config leaves them out of `to_dict`, so its
-# serialised form (checkpoint.json, provenance) is what it was before DFlash2 existed.
-DFLASH2_FIELDS = ("architecture", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+from dflash_pipeline.drafters import family
 
 
 @dataclass(frozen=True)
@@ -52,40 +48,64 @@ class DrafterConfig:
     sliding_window: int | None = None  # context keys further back than this are not attended
     hidden_act: str = "silu"
     extra: dict = field(default_factory=dict)  # recorded, not used: e.g. how the mask token was chosen
-    architecture: str = "dflash"  # "dflash" | "dflash2" (the fields below are DFlash2's; dflash ignores them)
-    conv_kernel_size: int = 2  # taps of the block-local convolution (2, as released: a slot and its predecessor)
-    conv_group_size: int = 16  # channels sharing one dynamic kernel; must divide hidden_size
-    selector_rank: int = 64  # codebook width (released: 256, for a 27B target; 2 x vocab x rank weights)
-    selector_top_k: int = 16  # candidates per slot the selector chooses among
+    architecture: str = family.UNNAMED  # a member of `drafters.family`
+    # The architecture's own options (its `options_type`): None or a mapping is resolved to it,
+    # with the member's defaults for what is not given.
+    options: Any = None
 
     def __post_init__(self):
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        if self.architecture == "dflash2":
-            if self.conv_kernel_size < 1 or self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
-                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} must be >= 1 and conv_group_size "
-                                 f"{self.conv_group_size} must divide hidden_size {self.hidden_size}")
-            if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
-                raise ValueError(f"selector_rank {self.selector_rank} must be >= 1 and selector_top_k "
-                                 f"{self.selector_top_k} in 1..vocab_size")
+        member = family.architecture(self.architecture)
+        object.__setattr__(self, "options", member.options_from(self.options))
+        problem = member.check(self)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def member(self):
+        """The architecture (`drafters.architecture.Architecture`) this config belongs to."""
+        return family.architecture(self.architecture)
 
     @property
     def feature_width(self) -> int:
         return len(self.target_layer_ids) * self.hidden_size
 
     def to_dict(self) -> dict:
+        """Flat: the shared fields, then the architecture's name and options (a DFlash config
+        leaves both out, so its record is what it was before the family existed)."""
         data = asdict(self)
         data["target_layer_ids"] = list(self.target_layer_ids)
-        if self.architecture == "dflash":
-            for name in DFLASH2_FIELDS:
-                del data[name]
+        del data["architecture"], data["options"]
+        if self.architecture != family.UNNAMED or asdict(self.options):
+            data["architecture"] = self.architecture
+            data.update(asdict(self.options))
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "DrafterConfig":
+        """The inverse of `to_dict`: keys that are not shared fields are the architecture's options."""
+        shared = {f.name for f in fields(cls)} - {"architecture", "options"}
         data = dict(data)
         data["target_layer_ids"] = tuple(data["target_layer_ids"])
-        return cls(**data)
+        options = {key: data.pop(key) for key in list(data) if key not in shared | {"architecture"}}
+        return cls(**data, options=options)
+
+
+class ArchitectureModule(nn.Module):
+    """A module an architecture adds to the core: it sets its own first weights in
+    `reset_parameters` (after the generic init of the Linear layers inside it)."""
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for one speculative step: a chain of tokens (with, for the "ratio"
+    rule at T > 0, the drafter's distribution q [k, V] of each drafted slot), or a draft tree."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+    tree: Any = None  # a `decoding.trees.DraftTree` in tree decoding (then `tokens` are its nodes')
 
 
 class RMSNorm(nn.Module):
@@ -207,19 +227,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.block_size = config.block_size
-        self.attention_conv = self.mlp_conv = None  # DFlash2's convolutions around the two sublayers
-        if config.architecture == "dflash2":
-            self.attention_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
-            self.mlp_conv = GroupedDynamicCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        # The architecture's wrappers around the two sublayers (DFlash2: its convolutions), or None.
+        # Their names are the public format's: `layers.i.attention_conv.*`, `layers.i.mlp_conv.*`.
+        self.attention_conv, self.mlp_conv = config.member.sublayer_wrappers(config)
 
-    def _around(self, conv, sublayer, x: torch.Tensor) -> torch.Tensor:
-        """sublayer(x), with `conv` (if any) before and after it, block by block (Q = blocks * B)."""
-        if conv is None:
+    def _around(self, wrapper, sublayer, x: torch.Tensor) -> torch.Tensor:
+        """sublayer(x), with `wrapper` (if any) before and after it, block by block (Q = blocks * B):
+        `wrapper.prepare(blocks) -> (input, state)`, `wrapper.finish(output, state)`."""
+        if wrapper is None:
             return sublayer(x)
         blocks = x.view(-1, self.block_size, x.shape[-1])
-        prepared, dynamic = conv.prepare(blocks)
+        prepared, state = wrapper.prepare(blocks)
         out = sublayer(prepared.view_as(x))
-        return conv.finish(out.view_as(blocks), dynamic).view_as(out)
+        return wrapper.finish(out.view_as(blocks), state).view_as(out)
 
     def forward(self, x, context, rope_block, rope_context, mask, cached_kv=None):
         """x [Q, H] block tokens; context [C, H] projected features (or cached_kv); mask [Q, C + Q]."""
@@ -252,10 +272,14 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.architecture == "dflash2":
-            self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size, config.selector_rank,
-                                                        config.selector_top_k)
+        for name, module in config.member.extra_modules(config).items():  # DFlash2: candidate_selector
+            self.add_module(name, module)
         self.apply(self._init_weights)
+
+    @property
+    def architecture(self):
+        """The member of the family this drafter is (`drafters.architecture.Architecture`)."""
+        return self.config.member
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Public folders (and checkpoints written before the scale existed) carry fc.weight already
@@ -308,7 +332,7 @@ class DFlashDrafter(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=0.02)
-        elif isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
+        elif isinstance(module, ArchitectureModule):
             module.reset_parameters()  # after its Linear children (apply visits them first)
 
     def project_context(self, features) -> torch.Tensor:
@@ -453,20 +477,6 @@ def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: i
     The context is every position < cache.length (the anchor's own features are not known yet).
     """
     return draft_logits(drafter, head, draft_hidden(drafter, head, cache, anchor_token))
-
-
-@torch.no_grad()
-def select_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int, *, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> SelectedPath:
-    """One DFlash2 block after `anchor_token` (at position cache.length): the selector's path through
-    each slot's top-K (`dflash2.select_paths`), with leading dimension 1."""
-    if drafter.config.architecture != "dflash2":
-        raise ValueError(f"select_block needs a dflash2 drafter, not a {drafter.config.architecture} one")
-    hidden = draft_hidden(drafter, head, cache, anchor_token)
-    logits = draft_logits(drafter, head, hidden)
-    anchors = torch.tensor([anchor_token], device=hidden.device)
-    return select_paths(drafter.candidate_selector, hidden[None], logits[None], anchors, to_token_ids=drafter.vocab_tokens,
-                        temperature=temperature, generator=generator)
 
 
 def count_parameters(module: nn.Module) -> int:

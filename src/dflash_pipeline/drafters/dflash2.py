@@ -1,4 +1,4 @@
-"""DFlash2's two additions to the DFlash drafter: a block-local convolution and a candidate selector.
+"""DFlash2, the family member that adds a block-local convolution and a candidate selector to DFlash.
 
 References: z-lab/dflash (`DFlash2DraftModel`, the public checkpoint contract), SGLang and vLLM's
 DFlash2 support, SpecForge's DFlash2 trainer (the selector loss). Our own code.
@@ -24,13 +24,25 @@ logits (the unary scores) and scores a candidate c after predecessor p as
 then walks from the anchor slot by slot: argmax at T = 0; at T > 0 a draw from softmax(score / T)
 over the K, whose probabilities q go to the lossless verification. Codebooks are indexed by the
 target's token ids (the full vocabulary), whatever vocabulary the drafter's head drafts over.
+
+The member (`DFlash2`) owns the options that size both (`train.options.dflash2`), the selector's
+loss term (`selector_loss`, beside the drafted slots' cross-entropy), its walk as the chain
+proposer, the scores of what the selector buys over each slot's own argmax (τ_argmax, τ_oracle,
+the selector's gain, top-K recall) and its serving names (`DFlash2DraftModel`).
 """
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_pipeline.drafters import family
+from dflash_pipeline.drafters.architecture import Architecture, correct_argmax
+from dflash_pipeline.drafters.core import ArchitectureModule, DFlashDrafter, DraftCache, DrafterConfig, Proposal, draft_hidden, draft_logits
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.stats import acceptance_length, mean_ci95_over_prompts, paired_difference
 
 
 def block_causal_conv(x: torch.Tensor, base: torch.Tensor, dynamic: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -50,7 +62,7 @@ def block_causal_conv(x: torch.Tensor, base: torch.Tensor, dynamic: torch.Tensor
     return out.view(blocks, length, hidden)
 
 
-class GroupedDynamicCausalConv(nn.Module):
+class GroupedDynamicCausalConv(ArchitectureModule):
     """The convolution around one sublayer: `prepare` before it, `finish` after it."""
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
@@ -79,7 +91,7 @@ class GroupedDynamicCausalConv(nn.Module):
         return block_causal_conv(y, self.base_kernel[1], dynamic, self.group_size)
 
 
-class CandidateSelector(nn.Module):
+class CandidateSelector(ArchitectureModule):
     """Reranks each slot's top-K candidates by how well they follow the previous slot's token."""
 
     def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int):
@@ -159,3 +171,188 @@ def select_paths(selector: CandidateSelector, hidden: torch.Tensor, logits: torc
     tokens, q = selector.walk(hidden, unary, candidates, anchors.to(candidates.device), temperature=temperature,
                               generator=generator)
     return SelectedPath(tokens=tokens, candidates=candidates, unary=unary, q=q)
+
+
+@torch.no_grad()
+def select_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int, *, temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> SelectedPath:
+    """One block after `anchor_token` (at position cache.length): the selector's path through each
+    slot's top-K (`select_paths`), with leading dimension 1."""
+    hidden = draft_hidden(drafter, head, cache, anchor_token)
+    logits = draft_logits(drafter, head, hidden)
+    anchors = torch.tensor([anchor_token], device=hidden.device)
+    return select_paths(drafter.candidate_selector, hidden[None], logits[None], anchors, to_token_ids=drafter.vocab_tokens,
+                        temperature=temperature, generator=generator)
+
+
+def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, head_rows: torch.Tensor, columns: torch.Tensor,
+                  labels: torch.Tensor, predecessors: torch.Tensor, weights: torch.Tensor, *, token_ids: torch.Tensor | None = None):
+    """sum(w * CE) of the answer among each slot's candidates, and whether it was among them.
+
+    hidden [N, H] drafted slots; head_rows [V', H] the head rows the columns index; columns [N, K]
+    each slot's top-K columns, best first; labels [N] the answer's column; predecessors [N] the
+    token id before the answer (the anchor for slot 1); weights [N]; token_ids [V'] column ->
+    token id (None: columns are token ids). Returns (total, covered [N], hits [N]): covered =
+    the answer was in the top-K as drafted, hits = the selector ranks it first (teacher-forced).
+    """
+    present = columns == labels[:, None]
+    covered = present.any(dim=1)
+    columns = columns.clone()
+    columns[~covered, -1] = labels[~covered]  # the answer replaces the weakest candidate
+    target = (columns == labels[:, None]).int().argmax(dim=1)
+    rows = head_rows[columns]  # [N, K, H]; differentiable through hidden only (the head is frozen)
+    unary = torch.einsum("nh,nkh->nk", hidden.to(rows.dtype), rows).float()
+    candidates = columns if token_ids is None else token_ids[columns]
+    scores = selector.pair_scores(hidden, unary, candidates, predecessors)
+    cross_entropy = torch.logsumexp(scores, dim=1) - scores.gather(1, target[:, None])[:, 0]
+    return (cross_entropy * weights).sum(), covered, scores.argmax(dim=1) == target
+
+
+# ----------------------------------------------------------------------------- the member
+
+
+@dataclass(frozen=True)
+class DFlash2Options:
+    conv_kernel_size: int = 2  # taps of the block-local convolution (2, as released: a slot and its predecessor)
+    conv_group_size: int = 16  # channels sharing one dynamic kernel; must divide hidden_size
+    selector_rank: int = 64  # codebook width (released: 256, for a 27B target; 2 x vocab x rank weights)
+    selector_top_k: int = 16  # candidates per slot the selector chooses among
+
+
+@dataclass(frozen=True)
+class DFlash2LossOptions:
+    selector_weight: float = 1.0  # weight of the selector's K-way cross-entropy beside the slots' loss
+
+
+SERVING_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+class DFlash2(Architecture):
+    name = "dflash2"
+    public_class = "DFlash2DraftModel"
+    options_type = DFlash2Options
+    loss_options_type = DFlash2LossOptions
+    # Published spellings of the codebooks that name the same tensors as ours.
+    weight_aliases = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
+                      for name in ("predecessor_codebook", "successor_codebook")}
+
+    def option_problems(self, options: DFlash2Options, loss_options: DFlash2LossOptions) -> list[tuple[str, str]]:
+        checks = [("conv_kernel_size", options.conv_kernel_size >= 1, "must be >= 1"),
+                  ("conv_group_size", options.conv_group_size >= 1, "must be >= 1"),
+                  ("selector_rank", options.selector_rank >= 1, "must be >= 1"),
+                  ("selector_top_k", options.selector_top_k >= 2, "must be >= 2"),
+                  ("selector_weight", loss_options.selector_weight >= 0.0, "must be >= 0")]
+        return [(key, why) for key, ok, why in checks if not ok]
+
+    def check(self, config: DrafterConfig) -> str | None:
+        options = config.options
+        if options.conv_kernel_size < 1 or options.conv_group_size < 1 or config.hidden_size % options.conv_group_size:
+            return (f"conv_kernel_size {options.conv_kernel_size} must be >= 1 and conv_group_size {options.conv_group_size} "
+                    f"must divide hidden_size {config.hidden_size}")
+        if options.selector_rank < 1 or not 1 <= options.selector_top_k <= config.vocab_size:
+            return (f"selector_top_k {options.selector_top_k} must be in 1..vocab_size ({config.vocab_size}) and "
+                    f"selector_rank {options.selector_rank} >= 1")
+        return None
+
+    # layers
+    def sublayer_wrappers(self, config: DrafterConfig) -> tuple:
+        options = config.options
+        return tuple(GroupedDynamicCausalConv(config.hidden_size, options.conv_kernel_size, options.conv_group_size) for _ in range(2))
+
+    def extra_modules(self, config: DrafterConfig) -> dict:
+        options = config.options
+        return {"candidate_selector": CandidateSelector(config.hidden_size, config.vocab_size, options.selector_rank,
+                                                        options.selector_top_k)}
+
+    # drafting
+    def chain_proposer(self, drafter: DFlashDrafter, head, sampling, generator):
+        """The selector's walk from the anchor (`select_block`): greedy at T = 0 and under "match";
+        under "ratio" sampled at the sampling temperature, with q each slot's draw probabilities
+        over its K candidates (zero elsewhere). A slot's q depends on the token drawn before it,
+        which the ratio test allows (as for any autoregressive drafter)."""
+
+        def propose(cache: DraftCache, anchor: int) -> Proposal:
+            if sampling is None or sampling.rule == "match":
+                return Proposal(select_block(drafter, head, cache, anchor).tokens[0].tolist())
+            path = select_block(drafter, head, cache, anchor, temperature=sampling.temperature, generator=generator)
+            q = torch.zeros(path.q.shape[1], head.lm_head_weight.shape[0]).scatter_(1, path.candidates[0].cpu(), path.q[0].float().cpu())
+            return Proposal(path.tokens[0].tolist(), q)
+
+        return propose
+
+    # tree_proposer: the Architecture default, from the head's per-slot logits (the selector walks one path, not a tree)
+
+    # training
+    def loss_top_k(self, config: DrafterConfig, loss_options: DFlash2LossOptions) -> int:
+        return config.options.selector_top_k if loss_options.selector_weight > 0 else 0
+
+    def extra_loss(self, drafter, *, hidden, head_rows, top_columns, labels, predecessors, weights, token_ids, loss_options):
+        if loss_options.selector_weight <= 0:
+            return None, {}
+        term, covered, hits = selector_loss(drafter.candidate_selector, hidden, head_rows, top_columns, labels, predecessors, weights,
+                                            token_ids=token_ids)
+        stats = {"selector_loss": term.detach(), "selector_covered": covered.sum(), "selector_hits": hits.sum(),
+                 "selector_slots": torch.tensor(covered.numel())}
+        return loss_options.selector_weight * term, stats
+
+    def curve_fields(self, stats: dict) -> dict:
+        """Teacher-forced: how often the answer is among the drafted top-K, and ranked first by the selector."""
+        if not stats:
+            return {}
+        slots = max(int(stats["selector_slots"]), 1)
+        return {"selector_coverage": round(int(stats["selector_covered"]) / slots, 4),
+                "selector_acc": round(int(stats["selector_hits"]) / slots, 4)}
+
+    # scoring
+    def score_blocks(self, drafter, *, hidden, logits, anchors, labels, valid):
+        """The selector walk's slots are what decoding commits; each slot's own argmax and whether
+        the label is among its top-K say what the selector had to pick from."""
+        path = select_paths(drafter.candidate_selector, hidden, logits, anchors, to_token_ids=drafter.vocab_tokens)
+        labels, valid = labels.to(path.tokens.device), valid.to(path.tokens.device)
+        walked = ((path.tokens == labels) & valid).cpu().numpy()
+        in_top_k = ((path.candidates == labels[..., None]).any(-1) & valid).cpu().numpy()
+        return walked, {"argmax_correct": correct_argmax(drafter, logits, labels, valid), "in_top_k": in_top_k}
+
+    def score_one_block(self, drafter, head, cache, *, anchor_token, logits, label_ids, valid):
+        label_ids, valid = label_ids[None].to(logits.device), valid[None].to(logits.device)
+        path = select_block(drafter, head, cache, anchor_token)  # the walk as decoding takes it
+        walked = ((path.tokens == label_ids) & valid).cpu().numpy()
+        in_top_k = ((path.candidates == label_ids[..., None]).any(-1) & valid).cpu().numpy()
+        return walked, {"argmax_correct": correct_argmax(drafter, logits[None], label_ids, valid), "in_top_k": in_top_k}
+
+    def summarize_extras(self, scores) -> dict[str, float]:
+        """τ of each slot's own argmax (DFlash's rule) and of an oracle that picks the label whenever
+        it is among the K, the selector's gain over the argmax paired by prompt, and top-K recall per slot."""
+        extras = scores.extras
+        summary = {}
+        argmax_tau = acceptance_length(extras["argmax_correct"])
+        for key, values in (("tau_argmax", argmax_tau), ("tau_oracle", acceptance_length(extras["in_top_k"]))):
+            mean, half = mean_ci95_over_prompts(values, scores.sequence)
+            summary[key], summary[f"{key}_ci95"] = round(mean, 4), round(half, 4)
+        mean, half, _ = paired_difference(scores.tau, scores.sequence, argmax_tau, scores.sequence)
+        summary["tau_selector_gain"], summary["tau_selector_gain_ci95"] = round(mean, 4), round(half, 4)
+        in_top_k = extras["in_top_k"]
+        for k in range(in_top_k.shape[1]):
+            exists = scores.valid[:, k]
+            summary[f"slot{k + 1}_topk_recall"] = round(float(in_top_k[exists, k].mean()), 4) if exists.any() else float("nan")
+        return summary
+
+    # serving
+    def public_weight_names(self, num_layers: int) -> tuple[list[str], list[str]]:
+        per_layer = [f"{side}_conv.{name}" for side in ("attention", "mlp") for name in ("base_kernel", "kernel_projection.weight")]
+        return per_layer, [f"candidate_selector.{name}" for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")]
+
+    def serving_fields(self, config: DrafterConfig) -> dict:
+        return {key: getattr(config.options, key) for key in SERVING_KEYS}
+
+    def options_from_serving(self, dflash_config: dict, config: dict, *, where) -> dict:
+        options = {}
+        for key in SERVING_KEYS:  # dflash_config first, then the top level, as z-lab reads them
+            value = dflash_config.get(key, config.get(key))
+            if value is None:
+                raise PipelineError(f"{where}: no dflash_config.{key} (a {self.public_class} needs it)")
+            options[key] = int(value)
+        return options
+
+
+family.register(DFlash2())

@@ -39,18 +39,13 @@ import torch
 
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json, write_json_atomic
+from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.target.folder import weight_files
 from dflash_pipeline.target.load import build_target_layer_ids
 
-ARCHITECTURE = "DFlashDraftModel"
-# Our DrafterConfig.architecture -> the `architectures` name of its public class, and back.
-ARCHITECTURE_NAMES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
-ARCHITECTURE_OF = {name: ours for ours, name in ARCHITECTURE_NAMES.items()}
-DFLASH2_CONFIG_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-# Published spellings of DFlash2 tensors that name the same weight as ours.
-WEIGHT_ALIASES = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
-                  for name in ("predecessor_codebook", "successor_codebook")}
+# A config.json without `architectures` is read as the plain member's (the format's first drafters).
+UNNAMED_CLASS = family.architecture(family.UNNAMED).public_class
 MODEL_TYPE = "qwen3"  # what z-lab's released drafters declare: the layers are Qwen3 layers
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -60,15 +55,15 @@ PROVENANCE_VERSION = 1
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def public_weight_names(num_layers: int, architecture: str = "dflash") -> list[str]:
-    """The tensor names of the serving format, independent of how model.py names things."""
+def public_weight_names(num_layers: int, architecture: str = family.UNNAMED) -> list[str]:
+    """The tensor names of the serving format, independent of how core.py names things: the shared
+    DFlash tensors and what the architecture adds (`Architecture.public_weight_names`)."""
     per_layer = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"self_attn.{n}_norm.weight" for n in "qk"]
     per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     per_layer += ["input_layernorm.weight", "post_attention_layernorm.weight"]
     names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
-    if architecture == "dflash2":
-        per_layer += [f"{side}_conv.{name}" for side in ("attention", "mlp") for name in ("base_kernel", "kernel_projection.weight")]
-        names += [f"candidate_selector.{name}" for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")]
+    extra_per_layer, extra_global = family.architecture(architecture).public_weight_names(num_layers)
+    per_layer, names = per_layer + extra_per_layer, names + extra_global
     return names + [f"layers.{i}.{name}" for i in range(num_layers) for name in per_layer]
 
 
@@ -102,10 +97,9 @@ def serving_config(config: DrafterConfig, *, dtype: torch.dtype = torch.float32)
     dtype_name = DTYPE_NAMES[dtype]
     dflash_config = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
                      "block_size": config.block_size}
-    if config.architecture == "dflash2":
-        dflash_config.update({key: getattr(config, key) for key in DFLASH2_CONFIG_KEYS})
+    dflash_config.update(config.member.serving_fields(config))
     return {
-        "architectures": [ARCHITECTURE_NAMES[config.architecture]],
+        "architectures": [config.member.public_class],
         "model_type": MODEL_TYPE,
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
@@ -143,7 +137,7 @@ def serving_config(config: DrafterConfig, *, dtype: torch.dtype = torch.float32)
 def _is_drafter_folder(folder: Path) -> bool:
     try:
         names = json.loads((folder / "config.json").read_text()).get("architectures", [])
-        return any(name in ARCHITECTURE_OF for name in names)
+        return any(family.by_public_class(name) is not None for name in names)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -226,17 +220,12 @@ def _layer_types(config: dict, num_layers: int) -> list[str]:
 def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
     """Map a serving config.json (already parsed) onto our DrafterConfig; `where` names it in errors."""
     dflash = config.get("dflash_config") or {}
-    known = [name for name in (config.get("architectures") or [ARCHITECTURE]) if name in ARCHITECTURE_OF]
+    known = [family.by_public_class(name) for name in (config.get("architectures") or [UNNAMED_CLASS])]
+    known = [member for member in known if member is not None]
     if not known:
-        raise PipelineError(f"{where}: architectures is {config['architectures']}, not one of {sorted(ARCHITECTURE_OF)}")
-    architecture = ARCHITECTURE_OF[known[0]]
-    dflash2_fields = {}
-    if architecture == "dflash2":
-        for key in DFLASH2_CONFIG_KEYS:  # dflash_config first, then the top level, as z-lab reads them
-            value = dflash.get(key, config.get(key))
-            if value is None:
-                raise PipelineError(f"{where}: no dflash_config.{key} (a DFlash2DraftModel needs it)")
-            dflash2_fields[key] = int(value)
+        raise PipelineError(f"{where}: architectures is {config['architectures']}, not one of {sorted(family.public_classes())}")
+    member = known[0]
+    options = member.options_from_serving(dflash, config, where=where)
     # z-lab's drafting reads these too; ours implements their neutral values only (plain embeddings, plain logits).
     for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", 0.0)):
         value = dflash.get(key, config.get(key))
@@ -297,14 +286,14 @@ def drafter_config_from_serving(config: dict, *, where: Path) -> DrafterConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
             sliding_window=None,
             hidden_act=hidden_act,
-            architecture=architecture,
-            **dflash2_fields,
+            architecture=member.name,
+            options=options,
         )
     except ValueError as exc:  # sizes DrafterConfig refuses, e.g. a conv_group_size that does not divide hidden_size
         raise PipelineError(f"{where}: {exc}") from None
 
 
-def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
+def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, ...]], aliases: dict | None = None) -> tuple[dict, dict]:
     """Read the drafter's tensors as fp32, after checking names and shapes against `expected_shapes`.
 
     Returns (tensors, {name: stored dtype}). Every problem is one line naming the file and tensor.
@@ -325,7 +314,7 @@ def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, 
         try:
             with safe_open(file, framework="pt") as handle:
                 for stored_name in handle.keys():
-                    name = WEIGHT_ALIASES.get(stored_name, stored_name)
+                    name = (aliases or {}).get(stored_name, stored_name)  # a published spelling of one of ours
                     if name in tensors:
                         raise PipelineError(f"{file}: holds {name!r} twice (as {stored_name!r} and another spelling)")
                     if name not in expected_shapes:
@@ -391,7 +380,7 @@ def load_dflash_drafter(directory: Path, *, device: str = "cpu") -> tuple[DFlash
     provenance, drafter_config = _provenance(directory, drafter_config)
     drafter = DFlashDrafter(drafter_config)
     expected = {name: tuple(tensor.shape) for name, tensor in _public_state(drafter).items()}
-    tensors, stored = read_serving_weights(directory, expected)
+    tensors, stored = read_serving_weights(directory, expected, drafter_config.member.weight_aliases)
     drafter.load_state_dict(tensors)
     if (directory / DRAFT_VOCAB_FILE).is_file():
         drafter.set_draft_vocab(_read_draft_vocab(directory / DRAFT_VOCAB_FILE, drafter_config.vocab_size))

@@ -26,10 +26,10 @@ import torch
 
 from dflash_pipeline.data.blocks import build_batch, draw_anchors, scoring_anchor_seed, valid_anchors
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.drafters.dflash2 import select_paths
-from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block, select_block
+from dflash_pipeline.drafters import family
+from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block
 from dflash_pipeline.progress import progress_iter
-from dflash_pipeline.stats import mean_ci95_over_prompts, paired_difference as paired_prompt_difference
+from dflash_pipeline.stats import acceptance_length, mean_ci95_over_prompts, paired_difference as paired_prompt_difference
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.decoding.trees import build_draft_tree, ranked_candidates
 
@@ -38,11 +38,6 @@ EVERY_ANCHOR = 1 << 30
 
 def _anchors_cap(anchors_per_sequence: int) -> int:
     return anchors_per_sequence if anchors_per_sequence > 0 else EVERY_ANCHOR
-
-
-def acceptance_length(correct: np.ndarray) -> np.ndarray:
-    """tau per block: 1 + the number of leading drafted slots that are correct. correct [n, B-1]."""
-    return 1 + np.cumprod(correct.astype(np.int64), axis=1).sum(axis=1)
 
 
 def ddtree_streak(logprobs, token_ids, reference: list[int], budget: int) -> int:
@@ -64,9 +59,10 @@ class BlockScores:
     correct: np.ndarray  # [n, B-1] drafted argmax == target-greedy token (and the slot exists)
     valid: np.ndarray  # [n, B-1] the slot holds an answer token to compare with
     streaks: dict[int, np.ndarray] = field(default_factory=dict)  # budget -> [n]
-    # DFlash2 only: `correct` is the selector's walk; these say what the selector had to pick from
-    argmax_correct: np.ndarray | None = None  # [n, B-1] each slot's own argmax == target token (DFlash's rule)
-    in_top_k: np.ndarray | None = None  # [n, B-1] the target token is among the slot's top-K candidates
+    # The drafter's architecture, and its own per-block arrays (`Architecture.score_blocks`, e.g.
+    # DFlash2's each-slot argmax and top-K membership), which its `summarize_extras` turns into metrics.
+    architecture: str = ""
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # name -> [n, B-1]
 
     @property
     def tau(self) -> np.ndarray:
@@ -146,20 +142,6 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
     return result
 
 
-def _score_selector(drafter: DFlashDrafter, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
-                    valid: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A DFlash2 drafter's blocks: hidden [n, B-1, H], logits [n, B-1, V] (not yet overwritten),
-    anchor and label token ids [n] / [n, B-1] -> (the selector walk's slot correct, each slot's own
-    argmax correct, the label among the slot's top-K), each [n, B-1]."""
-    path = select_paths(drafter.candidate_selector, hidden, logits, anchors, to_token_ids=drafter.vocab_tokens)
-    labels = labels.to(path.tokens.device)
-    valid_here = valid.to(path.tokens.device)
-    walked = (path.tokens == labels) & valid_here
-    argmax = (drafter.vocab_tokens(logits.argmax(-1)) == labels) & valid_here
-    in_top_k = (path.candidates == labels[..., None]).any(-1) & valid_here
-    return walked.cpu().numpy(), argmax.cpu().numpy(), in_top_k.cpu().numpy()
-
-
 def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int]):
     """logits [n, B-1, V] (overwritten when float32) -> correct [n, B-1] and streaks {budget: [n]}.
 
@@ -196,10 +178,11 @@ def logits_into(head_weight: torch.Tensor, hidden: torch.Tensor, buffer: torch.T
     return result.view(*hidden.shape[:-1], -1)
 
 
-def _joined(parts: dict[str, list], streak_parts: dict[int, list]) -> BlockScores:
+def _joined(parts: dict[str, list], streak_parts: dict[int, list], extra_parts: dict[str, list], architecture: str) -> BlockScores:
     """One BlockScores from the per-batch (or per-block) pieces."""
     return BlockScores(**{name: np.concatenate(pieces) for name, pieces in parts.items()},
-                       streaks={budget: np.concatenate(pieces) for budget, pieces in streak_parts.items()})
+                       streaks={budget: np.concatenate(pieces) for budget, pieces in streak_parts.items()},
+                       architecture=architecture, extras={name: np.concatenate(pieces) for name, pieces in extra_parts.items()})
 
 
 @torch.no_grad()
@@ -232,8 +215,9 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
     if current:
         groups.append(current)
     device = head.embed_weight.device
-    selector = config.architecture == "dflash2"
-    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []} | ({"argmax_correct": [], "in_top_k": []} if selector else {})
+    member = drafter.architecture
+    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
+    extra_parts: dict[str, list] = {}
     streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
     # The head runs on chunks of `chunk` blocks gathered across forwards (a forward holds few
     # blocks, to keep its dense mask small), in one reused buffer (see `logits_into`).
@@ -249,13 +233,13 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         for start in range(0, ready, chunk):
             stop = min(start + chunk, ready)
             logits = logits_into(head_weight, hidden[start:stop], logits_buffer)
-            if selector:  # before _score_logits, which overwrites the logits
-                walked, argmax, in_top_k = _score_selector(drafter, hidden[start:stop], logits, anchor_ids[start:stop],
-                                                           label_ids[start:stop], valid[start:stop])
-                parts["argmax_correct"].append(argmax)
-                parts["in_top_k"].append(in_top_k)
+            # The architecture's own reading first: _score_logits overwrites the logits.
+            own, extras = member.score_blocks(drafter, hidden=hidden[start:stop], logits=logits, anchors=anchor_ids[start:stop],
+                                              labels=label_ids[start:stop], valid=valid[start:stop])
+            for name, values in extras.items():
+                extra_parts.setdefault(name, []).append(values)
             correct, streaks = _score_logits(logits, labels[start:stop], valid[start:stop], tree_budgets)
-            parts["correct"].append(walked if selector else correct)
+            parts["correct"].append(correct if own is None else own)
             for budget in tree_budgets:
                 streak_parts[budget].append(streaks[budget])
         if ready < hidden.shape[0]:
@@ -282,7 +266,7 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         score_pending(everything=True)
     if not parts["correct"]:
         raise PipelineError("evaluate: the val shards hold no answer with two tokens in a row to anchor a block")
-    return _joined(parts, streak_parts)
+    return _joined(parts, streak_parts, extra_parts, member.name)
 
 
 @torch.no_grad()
@@ -298,8 +282,9 @@ def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset,
     drafter.eval()
     config = drafter.config
     block_size, cap = config.block_size, _anchors_cap(anchors_per_sequence)
-    selector = config.architecture == "dflash2"
-    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []} | ({"argmax_correct": [], "in_top_k": []} if selector else {})
+    member = drafter.architecture
+    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
+    extra_parts: dict[str, list] = {}
     streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
     for index in (range(len(dataset)) if sequences is None else sequences):
         sample = dataset[index]
@@ -315,20 +300,18 @@ def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset,
             inside = slots < length
             labels = drafter.vocab_index(ids[slots.clamp(max=length - 1)])
             valid = inside & mask[slots.clamp(max=length - 1)]
-            if selector:  # the walk as decoding takes it: one block through the cache
-                label_ids = ids[slots.clamp(max=length - 1)][None].to(logits.device)
-                path = select_block(drafter, head, cache, int(ids[anchor]))
-                inside_valid = valid[None].to(logits.device)
-                parts["argmax_correct"].append(((drafter.vocab_tokens(logits.argmax(-1))[None] == label_ids) & inside_valid).cpu().numpy())
-                parts["in_top_k"].append(((path.candidates == label_ids[..., None]).any(-1) & inside_valid).cpu().numpy())
+            own, extras = member.score_one_block(drafter, head, cache, anchor_token=int(ids[anchor]), logits=logits,
+                                                 label_ids=ids[slots.clamp(max=length - 1)], valid=valid)
+            for name, values in extras.items():
+                extra_parts.setdefault(name, []).append(values)
             correct, streaks = _score_logits(logits[None], labels[None], valid[None], tree_budgets)
-            parts["correct"].append(((path.tokens == label_ids) & inside_valid).cpu().numpy() if selector else correct)
+            parts["correct"].append(correct if own is None else own)
             parts["valid"].append(valid[None].numpy())
             parts["sequence"].append(np.array([index]))
             parts["anchor"].append(np.array([anchor]))
             for budget in tree_budgets:
                 streak_parts[budget].append(streaks[budget])
-    return _joined(parts, streak_parts)
+    return _joined(parts, streak_parts, extra_parts, member.name)
 
 
 def drafter_label(drafter: DFlashDrafter) -> str:
@@ -369,16 +352,8 @@ def summarize_blocks(scores: BlockScores, categories: list[str] | None = None) -
     for k, (u, c) in enumerate(zip(unconditional, conditional)):
         summary[f"slot{k + 1}_acc"] = round(u, 4)
         summary[f"slot{k + 1}_acc_cond"] = round(c, 4)
-    if scores.argmax_correct is not None:  # DFlash2: what the selector buys over each slot's own argmax
-        argmax_tau = acceptance_length(scores.argmax_correct)
-        for key, values in (("tau_argmax", argmax_tau), ("tau_oracle", acceptance_length(scores.in_top_k))):
-            mean, half = mean_ci95_over_prompts(values, scores.sequence)
-            summary[key], summary[f"{key}_ci95"] = round(mean, 4), round(half, 4)
-        mean, half, _ = paired_prompt_difference(scores.tau, scores.sequence, argmax_tau, scores.sequence)
-        summary["tau_selector_gain"], summary["tau_selector_gain_ci95"] = round(mean, 4), round(half, 4)
-        for k in range(scores.in_top_k.shape[1]):
-            exists = scores.valid[:, k]
-            summary[f"slot{k + 1}_topk_recall"] = round(float(scores.in_top_k[exists, k].mean()), 4) if exists.any() else float("nan")
+    if scores.extras:  # the architecture's own metrics (DFlash2: what the selector buys over each slot's argmax)
+        summary.update(family.architecture(scores.architecture).summarize_extras(scores))
     if categories is not None:
         labels = np.array([categories[s] for s in scores.sequence])
         for category in sorted(set(labels.tolist())):

@@ -11,14 +11,11 @@ The head (vocabulary x hidden) dominates a small drafter's step, so the loss nev
 more than `logits_chunk` x vocabulary logits, computes the hidden gradient in the same pass, and
 can restrict the softmax to the tokens the training answers use (`TrainingVocabulary`).
 
-A DFlash2 drafter adds its selector's term (`selector_loss`, weight `selector_weight`): for every
-drafted slot, a K-way cross-entropy of the answer token among the slot's top-K candidates (the
-same head pass picks them), scored with the answer's previous token as predecessor (teacher
-forcing, as the walk starts from the verified anchor). Where the answer token is not among the K
-it takes the K-th candidate's place, so every slot teaches the selector something. Our reading
-of SpecForge's DFlash2 objective (sgl-project/SpecForge#772: alpha-weighted selector CE, gold
-inserted when missing), with our slot weights and normaliser so it adds up across ranks as the
-main term does; the unary scores keep their gradient into the drafter, as there.
+An architecture may add a term of its own (`Architecture.extra_loss`; DFlash2's selector
+cross-entropy, `drafters.dflash2.selector_loss`): it gets each slot's top-K columns from the same
+head pass, the answer's previous token as predecessor (teacher forcing: the walk starts from the
+verified anchor), and the same slot weights and normaliser, so it adds up across ranks as the
+main term does.
 """
 
 from dataclasses import dataclass
@@ -125,40 +122,24 @@ def distillation_targets(labels: torch.Tensor, soft_ids: torch.Tensor, soft_logp
     return torch.cat([labels[:, None], ids], dim=1), torch.cat([one_hot, probs], dim=1)
 
 
-def selector_loss(selector, hidden: torch.Tensor, head_rows: torch.Tensor, columns: torch.Tensor, labels: torch.Tensor,
-                  predecessors: torch.Tensor, weights: torch.Tensor, *, token_ids: torch.Tensor | None = None):
-    """sum(w * CE) of the answer among each slot's candidates, and whether it was among them.
-
-    hidden [N, H] drafted slots; head_rows [V', H] the head rows the columns index; columns [N, K]
-    each slot's top-K columns, best first; labels [N] the answer's column; predecessors [N] the
-    token id before the answer (the anchor for slot 1); weights [N]; token_ids [V'] column ->
-    token id (None: columns are token ids). Returns (total, covered [N], hits [N]): covered =
-    the answer was in the top-K as drafted, hits = the selector ranks it first (teacher-forced).
-    """
-    present = columns == labels[:, None]
-    covered = present.any(dim=1)
-    columns = columns.clone()
-    columns[~covered, -1] = labels[~covered]  # the answer replaces the weakest candidate
-    target = (columns == labels[:, None]).int().argmax(dim=1)
-    rows = head_rows[columns]  # [N, K, H]; differentiable through hidden only (the head is frozen)
-    unary = torch.einsum("nh,nkh->nk", hidden.to(rows.dtype), rows).float()
-    candidates = columns if token_ids is None else token_ids[columns]
-    scores = selector.pair_scores(hidden, unary, candidates, predecessors)
-    cross_entropy = torch.logsumexp(scores, dim=1) - scores.gather(1, target[:, None])[:, 0]
-    return (cross_entropy * weights).sum(), covered, scores.argmax(dim=1) == target
+@dataclass
+class BlockLoss:
+    loss: torch.Tensor  # the step's objective (normalised by the weight total)
+    hits: torch.Tensor  # [blocks, B-1] the slot's argmax is the answer
+    weight_sum: torch.Tensor  # this rank's slot weights
+    extra_stats: dict  # the architecture's extra term's statistics, device tensors (`Architecture.extra_loss`)
 
 
 def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits_chunk: int, weight_total: torch.Tensor | None = None,
                attention: str = "sdpa", vocabulary: TrainingVocabulary | None = None, distill_weight: float = 0.0,
-               selector_weight: float = 0.0, stats: dict | None = None):
-    """Decayed CE over the drafted slots of a batch: (loss, hits [blocks, B-1], weight sum).
+               loss_options=None) -> BlockLoss:
+    """Decayed CE over the drafted slots of a batch, plus the drafter architecture's own term.
 
     `weight_total` (the sum over all ranks) normalises the loss so data-parallel ranks add up to
     the same objective as one process with the whole batch. `vocabulary` restricts the softmax.
     `distill_weight` α > 0 mixes the target's captured top-K distribution into each slot's target
-    (the batch must carry it). `selector_weight` > 0 adds a DFlash2 drafter's selector term
-    (`selector_loss`), with the same slot weights and normaliser; `stats`, if given, receives its
-    sums (selector_loss, selector_covered, selector_hits, selector_slots).
+    (the batch must carry it). `loss_options` are the architecture's training-only options
+    (`Architecture.loss_options_type`; None: its defaults), e.g. DFlash2's selector weight.
     """
     vocabulary = vocabulary or TrainingVocabulary.full(head)
     block_size = drafter.config.block_size
@@ -176,21 +157,20 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits
         soft_ids, soft_probs = distillation_targets(
             labels[keep], batch.soft_ids.reshape(-1, batch.soft_ids.shape[-1]).to(hidden.device)[keep],
             batch.soft_logprobs.reshape(-1, batch.soft_logprobs.shape[-1]).to(hidden.device)[keep], distill_weight, vocabulary)
-    with_selector = selector_weight > 0 and drafter.config.architecture == "dflash2"
-    top_k = drafter.config.selector_top_k if with_selector else 0
+    member = drafter.architecture
+    loss_options = loss_options if loss_options is not None else member.loss_options_type()
+    top_k = member.loss_top_k(drafter.config, loss_options)
     total, hits, *top = ChunkedHeadCrossEntropy.apply(hidden[keep], vocabulary.head_rows, labels[keep], weights[keep],
                                                       logits_chunk, soft_ids, soft_probs, top_k)
-    if with_selector:
-        anchors = batch.block_ids.view(-1, block_size)[:, :1].to(batch.labels.device)
-        predecessors = torch.cat([anchors, batch.labels[:, :-1]], dim=1).reshape(-1).to(hidden.device)  # slot k follows slot k-1's answer
-        term, covered, selector_hits = selector_loss(drafter.candidate_selector, hidden[keep], vocabulary.head_rows, top[0],
-                                                     labels[keep], predecessors[keep], weights[keep], token_ids=vocabulary.token_ids)
-        total = total + selector_weight * term
-        if stats is not None:
-            stats.update(selector_loss=float(term.detach()), selector_covered=int(covered.sum()), selector_hits=int(selector_hits.sum()),
-                         selector_slots=int(covered.numel()))
+    anchors = batch.block_ids.view(-1, block_size)[:, :1].to(batch.labels.device)
+    predecessors = torch.cat([anchors, batch.labels[:, :-1]], dim=1).reshape(-1).to(hidden.device)  # slot k follows slot k-1's answer
+    term, extra_stats = member.extra_loss(drafter, hidden=hidden[keep], head_rows=vocabulary.head_rows,
+                                          top_columns=top[0] if top_k else None, labels=labels[keep], predecessors=predecessors[keep],
+                                          weights=weights[keep], token_ids=vocabulary.token_ids, loss_options=loss_options)
+    if term is not None:
+        total = total + term
     weight_sum = weights.sum()
     denominator = weight_total if weight_total is not None else weight_sum
     all_hits = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
     all_hits[keep] = hits
-    return total / denominator.clamp(min=1e-9), all_hits.view(batch.labels.shape), weight_sum
+    return BlockLoss(total / denominator.clamp(min=1e-9), all_hits.view(batch.labels.shape), weight_sum, extra_stats)

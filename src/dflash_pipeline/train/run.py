@@ -12,8 +12,8 @@ metrics and curves (`report`).
 One step: a packed batch of sequences (about `tokens_per_step` context tokens), up to
 `anchors_per_sequence` anchors per sequence drawn afresh (`blocks`), every block drafted in one
 forward under the DFlash mask, decayed cross-entropy on slots 1..B-1 through a chunked LM head
-that never holds more than `logits_chunk` x vocab logits (`train.architecture: dflash2` adds the
-selector's term, `loss.selector_loss`). What a step sees depends only on
+that never holds more than `logits_chunk` x vocab logits, plus the architecture's own term
+(`Architecture.extra_loss`, e.g. DFlash2's selector). What a step sees depends only on
 (seed, step), so a resumed run, or a torchrun run of any size, replays exactly the same batches.
 """
 
@@ -35,9 +35,9 @@ from dflash_pipeline.drafters.checkpoints import (
     save_resume_state,
     step_folder,
 )
-from dflash_pipeline.config import TrainConfig, train_record_config
+from dflash_pipeline.config import TrainConfig
 from dflash_pipeline.devices import autocast, bf16_by_default
-from dflash_pipeline.drafters.build import choose_mask_token, drafter_config_for, new_drafter
+from dflash_pipeline.drafters.build import choose_architecture, choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.train.loss import TrainingVocabulary, block_loss
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
@@ -129,6 +129,7 @@ class TrainingRun:
     record: dict  # what makes two runs the same run (resume only continues an equal record)
     device: str
     attention: str
+    loss_options: object = None  # the architecture's training-only options (`Architecture.loss_options_type`)
     world: int = 1
     rank: int = 0
     bf16: bool | None = None  # bf16 autocast; None: on CUDA only (`devices.autocast`)
@@ -187,6 +188,7 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
               log=print) -> TrainingRun:
     """Shards, drafter, frozen head, optimizer and step plan; resumed from `out_dir` when it holds
     a checkpoint of this exact run configuration, else `out_dir` is cleared of other runs' ones."""
+    architecture = choose_architecture(config)  # a bad architecture or option stops before any work
     device, world, rank = _init_distributed(device)
     on_gpu = device.startswith("cuda")
     torch.manual_seed(config.seed)
@@ -226,7 +228,8 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
         plan=plan_steps(train_set.lengths(), tokens_per_step=config.tokens_per_step, max_steps=config.max_steps, seed=config.seed),
         mask_token_id=mask_token_id, gamma=gamma, device=device, world=world, rank=rank,
         attention=config.attention if config.attention != "auto" else ("flex" if on_gpu else "sdpa"),
-        record={"train_config": train_record_config(config), "target_fingerprint": target.fingerprint,
+        loss_options=architecture.loss_options,
+        record={"train_config": architecture.record(config), "target_fingerprint": target.fingerprint,
                 "shards": {"train": manifest.tokens, "val": val_set.manifest.tokens, "layer_ids": manifest.layer_ids,
                            "feature_dtype": manifest.feature_dtype}},
     )
@@ -311,12 +314,11 @@ def train_step(run: TrainingRun, step: int) -> dict:
                         anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
                         sliding_window=run.drafter.config.sliding_window).to(device)
     weight_total = _all_reduce(batch.weights.sum().to(device), world)
-    selector = {} if config.architecture == "dflash2" else None  # this rank's selector sums, for the curve
     with autocast(device, run.bf16):
-        loss, hits, _ = block_loss(run.drafter, run.head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
-                                   attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight,
-                                   selector_weight=config.selector_weight if selector is not None else 0.0, stats=selector)
-    hits = hits.cpu()
+        step_loss = block_loss(run.drafter, run.head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
+                               attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight,
+                               loss_options=run.loss_options)
+    loss, hits = step_loss.loss, step_loss.hits.cpu()
     loss_value = _all_reduce(loss.detach().clone(), world)
     if not torch.isfinite(loss_value):
         raise NonFiniteLoss(f"train: loss is {loss_value.item()} at step {step}")
@@ -332,11 +334,7 @@ def train_step(run: TrainingRun, step: int) -> dict:
     row = {"step": step + 1, "loss": round(loss_value.item(), 6), "lr": lr, "grad_norm": round(float(grad_norm), 4),
            "slot1_acc": round(float(hits[:, 0][batch.exists[:, 0]].float().mean()), 4) if hits.numel() else None,
            "loss_value": loss_value.item(), "context_tokens": tokens, "trained_positions": int(batch.exists.sum())}
-    if selector:
-        # Teacher-forced: how often the answer is among the drafted top-K, and ranked first by the selector.
-        slots = max(selector["selector_slots"], 1)
-        row.update(selector_coverage=round(selector["selector_covered"] / slots, 4),
-                   selector_acc=round(selector["selector_hits"] / slots, 4))
+    row.update(run.drafter.architecture.curve_fields(step_loss.extra_stats))  # e.g. DFlash2's selector coverage and accuracy
     return row
 
 
