@@ -1,0 +1,373 @@
+"""Build docs/results.md, every table of numbers in the docs, from the committed results.
+
+    python docs/build_results.py            # (re)write docs/results.md
+    python docs/build_results.py --check    # exit 1 when docs/results.md is not what it would write
+
+Sources: the committed run's metrics (`data/metrics/*.json`), its plot data (`data/plots/*.csv`),
+its `dvc.lock` (output sizes), and the benchmarks' and studies' results (`bench/results/*.json`).
+Nothing here is typed by hand: a table is a spec, `Table(title, source, columns)`, with each
+column a (label, dotted key path, format), and the few lines at the bottom render it. A metrics key
+that is renamed is a one-line edit of its path; a path that no row has fails loudly, so a stale
+spec cannot pass `--check`.
+
+Key paths: `a.b.c` walks dicts (and list indices); in `Table.rows`, a `*` takes every item of a
+dict or list, one table row each, and the column path `@` is that item's key. A tuple of paths
+feeds several values to one format (`("tau", "tau_ci95")` with "{:.3f} ± {:.3f}"). A format is a
+`str.format` string or a function of the value(s). A value that is null, or a key that some rows
+lack, is a blank cell. `Grid` is the one other shape: a table whose every cell names its own path
+in a single record (the decoding modes of eval.json, one row per mode).
+"""
+
+import argparse
+import csv
+import difflib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "results.md"
+
+Path_ = str | tuple[str, ...] | None  # a dotted key path, several of them, or None for a fixed text
+Format = str | Callable
+
+
+@dataclass(frozen=True)
+class Table:
+    """One row per record: the records at `rows` in `source` (a dict there is a single row)."""
+    title: str
+    source: str
+    columns: list[tuple[str, Path_, Format]]
+    rows: str = ""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One record (`source` at `rows`), its cells laid out by hand: rows of (label, [(path, format)])."""
+    title: str
+    source: str
+    header: list[str]
+    cells: list[tuple[str, list[tuple[Path_, Format]]]]
+    rows: str = ""
+    note: str = ""
+
+
+# ----------------------------------------------------------------------------- formats
+
+F2, F3, F4 = "{:.2f}", "{:.3f}", "{:.4f}"
+PM3 = "{:.3f} ± {:.3f}"        # a value and its 95% interval
+PAIRED = "{:+.3f} ± {:.3f}"    # a paired difference and its 95% interval
+INT = "{:,}"
+S1 = "{:.1f} s"
+
+
+def yes_no(value) -> str:
+    return "yes" if value else "no"
+
+
+def mib(value: float) -> str:
+    return f"{value / 1024:.1f} GiB" if value >= 1024 else f"{value:.0f} MiB"
+
+
+def megabytes(value: int) -> str:
+    return f"{value / 1e6:,.1f} MB" if value >= 1e6 else f"{value / 1e3:.1f} kB"
+
+
+def hours(value: float) -> str:
+    """A duration given in hours, in the unit that reads best."""
+    seconds = value * 3600
+    return f"{value:.1f} h" if value >= 1 else f"{seconds / 60:.0f} min" if seconds >= 60 else f"{seconds:.1f} s"
+
+
+def gib(value: float) -> str:
+    return f"{value / 1024:.0f} TiB" if value >= 1024 else f"{value:.0f} GiB"
+
+
+# ----------------------------------------------------------------------------- the tables
+
+EVAL = "data/metrics/eval.json"
+TAU = ("tau", "tau_ci95")
+
+COMMITTED = [
+    Table("The committed run at a glance", EVAL, [
+        ("chosen checkpoint", "chosen", "{}"),
+        ("teacher-forced τ", TAU, PM3),
+        ("τ per step, end to end", ("e2e_tau", "e2e_tau_ci95"), PM3),
+        ("verify k", "verify_tokens", "{}"),
+        ("speedup", "speedup", F3),
+        ("break-even τ", "break_even_tau", F3),
+        ("lossless rate", "lossless_rate", "{}"),
+        ("plain tokens/s", "plain_tokens_per_s", "{}"),
+        ("speculative tokens/s", "spec_tokens_per_s", "{}"),
+    ], note="The chosen drafter's teacher-forced τ (val prompts) and its greedy chain decoding against plain "
+            "decoding of the same prompts, in the same process."),
+    Table("generate", "data/metrics/generate.json", [
+        ("prompts", "prompts", INT),
+        ("answer tokens made", "new_tokens", INT),
+        ("answers reused", "reused_answers", INT),
+        ("seconds", "seconds", "{:.1f}"),
+        ("tokens/s", "tokens_per_s", "{:.1f}"),
+    ]),
+    Table("capture", "data/metrics/capture.json", [
+        ("split", "@", "{}"),
+        ("tokens", "tokens_written", INT),
+        ("shards written", "shards_written", "{}"),
+        ("shards kept", "shards_kept", "{}"),
+        ("seconds", "seconds", "{:.1f}"),
+        ("tokens/s", "tokens_per_s", "{:.1f}"),
+    ], rows="*"),
+    Table("train", "data/metrics/train.json", [
+        ("steps", "steps", INT),
+        ("seconds", "seconds", "{:.1f}"),
+        ("context tokens/s", "tokens_per_s", "{:,.1f}"),
+        ("final loss", "loss", F4),
+        ("periodic τ (last)", ("tau_tf", "tau_tf_ci95"), PM3),
+        ("slot 1 acc", "slot1_acc", F3),
+        ("slot 2 acc", "slot2_acc", F3),
+        ("slot 3 acc", "slot3_acc", F3),
+        ("mask token id", "mask_token_id", "{}"),
+    ], note="The periodic τ is `evaluate`'s scorer on `train.eval_blocks` val blocks."),
+    Table("τ by checkpoint (evaluate)", "data/plots/eval_tau_by_step.csv", [
+        ("step", "step", "{}"),
+        ("teacher-forced τ", TAU, "{} ± {}"),
+        ("DDTree-8 streak", "ddtree8_streak", "{}"),
+    ], rows="*"),
+    Table("Teacher-forced τ by prompt category", EVAL, [
+        ("all", TAU, PM3),
+        ("coding", ("tau_coding", "tau_coding_ci95"), PM3),
+        ("math", ("tau_math", "tau_math_ci95"), PM3),
+        ("explain", ("tau_explain", "tau_explain_ci95"), PM3),
+        ("chat", ("tau_chat", "tau_chat_ci95"), PM3),
+        ("val prompts", "prompts", "{}"),
+        ("blocks", "blocks", INT),
+        ("seconds (all checkpoints)", "teacher_forced_seconds", "{}"),
+    ]),
+    Grid("Acceptance by slot", EVAL, ["slot", "P(slot correct)", "P(correct), given the slots before it accepted",
+                                      "target's token among the slot's candidates"], [
+        (f"{k}", [(f"slot{k}_acc", F3), (f"slot{k}_acc_cond", F3), (f"slot{k}_topk_recall", F3)]) for k in (1, 2, 3)
+    ]),
+    Table("DFlash2's candidate selector", EVAL, [
+        ("τ (the selector's walk)", TAU, PM3),
+        ("τ with each slot's argmax", ("tau_argmax", "tau_argmax_ci95"), PM3),
+        ("selector gain (paired)", ("tau_selector_gain", "tau_selector_gain_ci95"), PAIRED),
+        ("oracle path through the top-K", ("tau_oracle", "tau_oracle_ci95"), PM3),
+    ]),
+    Grid("Decoding modes end to end", EVAL,
+         ["mode", "τ per step (e2e)", "teacher-forced counterpart", "speedup", "verify cost (decode steps)",
+          "lossless rate", "near-tie partings"], [
+        ("chain T=0, verify k", [(("e2e_tau", "e2e_tau_ci95"), PM3), ("tau", "τ {:.3f}"), ("speedup", F3),
+                                 ("verify_cost_steps", F3), ("lossless_rate", "{}"), ("near_tie_mismatches", "{}")]),
+        *[(f"tree of {k} nodes, T=0", [((f"e2e_tree{k}_tau", f"e2e_tree{k}_tau_ci95"), PM3),
+                                       (f"ddtree{k}_streak", f"1 + DDTree-{k} {{:.3f}}"), (f"tree{k}_speedup", F3),
+                                       (f"tree{k}_verify_cost_steps", F3), (f"tree{k}_lossless_rate", "{}"),
+                                       (f"tree{k}_near_tie_mismatches", "{}")]) for k in (4, 8, 16)],
+        ("chain T=1, `evaluate.sampling_rule`", [(("e2e_tau_t1", "e2e_tau_t1_ci95"), PM3), (None, ""), ("speedup_t1", F3),
+                                                 (None, ""), (None, "sampled"), (None, "")]),
+    ], note="Each mode against plain decoding of the same val prompts in the same process "
+            "(`evaluate.num_prompts` x `evaluate.max_new_tokens`). The end-to-end tree τ is to be read "
+            "against 1 + the teacher-forced DDTree streak, as the chain's against τ."),
+    Table("Where a speculative step's time goes", EVAL, [
+        ("e2e prompts", "e2e_prompts", "{}"),
+        ("decode step", "decode_step_ms", "{} ms"),
+        ("verify (decode steps)", "verify_cost_steps", "{}"),
+        ("drafting (decode steps)", "draft_cost_steps", "{}"),
+        ("share: verify", "time_verify", "{:.1%}"),
+        ("draft", "time_draft", "{:.1%}"),
+        ("prefill", "time_prefill", "{:.1%}"),
+        ("overhead", "time_overhead", "{:.2%}"),
+        ("drafted tokens accepted, T=0", "acceptance_rate", "{:.1%}"),
+        ("T=1", "acceptance_t1", "{:.1%}"),
+    ]),
+    Table("Cached outputs of the committed run", "dvc.lock", [
+        ("stage", "@", "{}"),
+        ("output", "path", "`{}`"),
+        ("size", "size", megabytes),
+        ("files", "nfiles", "{}"),
+    ], rows="stages.*.outs.*"),
+]
+
+STUDY = "bench/results"
+EVALUATED = [  # the columns of a study row scored as `evaluate` scores (bench/train_study.py)
+    ("τ (evaluate)", TAU, PM3),
+    ("vs first recipe, paired", ("tau_vs_first", "tau_vs_first_ci95"), PAIRED),
+    ("DDTree-8", "ddtree8_streak", F3),
+]
+
+STUDIES = [
+    Table("Fourth study: three levers (5 minutes each, block 4)", f"{STUDY}/study_levers.json", [
+        ("recipe", "recipe", "`{}`"), ("steps", "steps", "{}"), ("train s", "train_seconds", "{:.0f}"), *EVALUATED,
+        ("slot 1..3", ("slot1_acc", "slot2_acc", "slot3_acc"), "{:.3f} {:.3f} {:.3f}"),
+    ], rows="*", note="`norm`: `feature_norm: channel_rms`; `distill`: `distill_weight: 0.5`; `data-vocab`: "
+                      "`train_vocab: data`. Findings: [studies](studies.md#fourth-study-three-levers)."),
+    Table("Fifth study: anchors and depth on top of the three levers", f"{STUDY}/study_ndv.json", [
+        ("recipe", "recipe", "`{}`"), ("steps", "steps", "{}"), *EVALUATED,
+    ], rows="*", note="`NDV`: draft vocabulary + distillation + feature scale, 16 anchors/seq, 1 layer; "
+                      "`a32`: 32 anchors/seq; `2L`: 2 layers."),
+    Table("How τ grows with training (10,000 steps, one checkpoint every 500)", f"{STUDY}/compute_curve_long.json", [
+        ("step", "step", "{}"), ("train min", "train_minutes", "{:.0f}"), ("τ", TAU, PM3),
+        ("DDTree-8", "ddtree8_streak", F3), ("verify k", "verify_tokens", "{}"),
+        ("tokens/step", "e2e_tau", F3), ("speedup", "speedup", F3), ("break-even τ", "break_even_tau", F3),
+    ], rows="*", note="End-to-end decoding on every fourth checkpoint; minutes are steps x 0.240 s."),
+    Table("DFlash or DFlash2 (6 minutes each)", f"{STUDY}/dflash2_study.json", [
+        ("recipe", "recipe", "`{}`"), ("steps", "steps", "{:,}"), *EVALUATED, ("slot-1 acc", "slot1_acc", F3),
+        ("τ with per-slot argmax", "tau_argmax", F3), ("oracle over top-16", "tau_oracle", F3),
+    ], rows="*", note="`default` was params.yaml's train section that day: DFlash."),
+    Table("The selector's sizes (1,200 steps each)", f"{STUDY}/selector_study.json", [
+        ("recipe", "recipe", "`{}`"), *EVALUATED[:2], ("τ with per-slot argmax", "tau_argmax", F3),
+        ("selector gain", ("tau_selector_gain", "tau_selector_gain_ci95"), PAIRED),
+        ("oracle over top-16", "tau_oracle", F3), ("DDTree-8", "ddtree8_streak", F3),
+        ("train s", "train_seconds", "{:.0f}"),
+    ], rows="*", note="`default`: `selector_weight` 1, `selector_rank` 64."),
+]
+
+COSTS = [  # bench/dvc_costs.py: 3 GiB of shards per row, seconds
+    ("row", "name", "`{}`"), ("cache.type", "link_types", "`{}`"), ("files", "files", "{:,}"),
+    ("workspace file", "workspace_link", "{}"), ("read-only", "read_only", yes_no),
+    ("commit", "commit_s", F2), ("first hash", "first_hash_s", F2), ("no-op status", "noop_status_s", F2),
+    ("no-op repro", "noop_repro_s", F2), ("push", "push_s", "{:.1f}"), ("pull", "pull_s", "{:.1f}"),
+    ("checkout", "checkout_s", F2), ("unprotect", "unprotect_s", F2), ("workspace + cache", "disk_mib", mib),
+]
+PROJECTION = [
+    ("size", "tib", "{} TiB"), ("256 MB files", "files", "{:,}"), ("first hash", "first_hash_h", hours),
+    ("commit", "commit_h", hours), ("no-op status", "noop_status_s", S1), ("push", "push_h", hours),
+    ("pull", "pull_h", hours), ("checkout", "checkout_h", hours), ("unprotect (if persisted)", "unprotect_h", hours),
+    ("workspace + cache", "disk_gib", gib), ("with reflink-first on ext4", "disk_reflink_first_gib", gib),
+]
+DVC_COSTS = [
+    Table("What DVC costs on 3 GiB of shards (2026-12-03)", f"{STUDY}/dvc_costs.json", COSTS, rows="rows.*",
+          note="Seconds; `python bench/dvc_costs.py --gb 3`. The committed `.dvc/config` is `hardlink,copy` "
+               "with 256 MB shards."),
+    Table("Projected to 1 and 10 TiB (2026-12-03)", f"{STUDY}/dvc_costs.json", PROJECTION, rows="projection.*"),
+    Table("Rechecked the next day (2026-12-04)", f"{STUDY}/dvc_costs_recheck.json", COSTS, rows="rows.*"),
+    Table("Projected from the recheck (2026-12-04)", f"{STUDY}/dvc_costs_recheck.json", PROJECTION, rows="projection.*"),
+]
+
+SECTIONS = [
+    ("The committed run", "`make repro` of the commit's code: its `data/metrics`, `data/plots` and `dvc.lock`.", COMMITTED),
+    ("Training studies", "`bench/train_study.py` and `bench/compute_curve.py`; what they showed is in "
+                         "[studies.md](studies.md).", STUDIES),
+    ("What DVC costs", "`bench/dvc_costs.py`; what it showed is in [team-setup.md](team-setup.md#big-outputs-what-dvc-costs-and-the-cheap-defaults).",
+     DVC_COSTS),
+]
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def load(source: str):
+    path = REPO / source
+    if path.suffix == ".csv":
+        with path.open(newline="") as f:
+            return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+
+
+def _number(text: str):
+    """A CSV cell as the number it spells (as written, so 1.0 stays a float), or None when empty."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text or None
+
+
+def get(node, path: str):
+    for part in path.split(".") if path else []:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def records(node, path: str, key=None) -> list[tuple[object, object]]:
+    """(key, record) for every record at `path`; `*` expands a dict or list, the first `*` names the key."""
+    head, star, rest = path.partition("*")
+    node = get(node, head.strip("."))
+    if not star:
+        return [(key, node)] if isinstance(node, dict) else [(key, item) for item in node]
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    return [row for k, item in items for row in records(item, rest.strip("."), k if key is None else key)]
+
+
+def cell(record, key, path: Path_, fmt: Format) -> str:
+    if path is None:
+        return fmt
+    paths = (path,) if isinstance(path, str) else path
+    try:
+        values = [key if p == "@" else get(record, p) for p in paths]
+    except (KeyError, IndexError):
+        return ""
+    if any(v is None for v in values):
+        return ""
+    return fmt(*values) if callable(fmt) else fmt.format(*values)
+
+
+def render(table: Table | Grid) -> str:
+    data = load(table.source)
+    if isinstance(table, Grid):
+        (key, record), = records(data, table.rows)
+        header, body = table.header, [[label] + [cell(record, key, p, f) for p, f in row] for label, row in table.cells]
+        paths = [p for _, row in table.cells for p, _ in row]
+    else:
+        rows = records(data, table.rows)
+        header, body = [c[0] for c in table.columns], [[cell(r, k, p, f) for _, p, f in table.columns] for k, r in rows]
+        paths = [p for _, p, _ in table.columns]
+    for path in paths:  # a key that no row has is a stale spec, not a blank column
+        for p in (path,) if isinstance(path, str) else path or ():
+            if p != "@" and not any(_has(r, p) for _, r in records(data, table.rows)):
+                raise KeyError(f"{table.source}: no row has the key '{p}' (table '{table.title}')")
+    lines = [f"### {table.title}", "", f"From `{table.source}`." + (f" {table.note}" if table.note else ""), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def _has(record, path: str) -> bool:
+    try:
+        get(record, path)
+        return True
+    except (KeyError, IndexError, TypeError):
+        return False
+
+
+def slug(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def build() -> str:
+    parts = ["# Results", "",
+             "<!-- Generated by docs/build_results.py from the committed results; edit the script, not this file. -->", "",
+             "Every table of numbers in the docs, generated from the committed files it names "
+             "(`python docs/build_results.py`; `tests/test_docs.py` fails when this file is stale). "
+             "The prose that reads them is in [studies.md](studies.md), [decoding.md](decoding.md) and "
+             "[team-setup.md](team-setup.md).", ""]
+    parts += [f"- [{title}](#{slug(title)})" for title, _, _ in SECTIONS] + [""]
+    for title, intro, tables in SECTIONS:
+        parts += [f"## {title}", "", intro, ""] + [render(table) for table in tables]
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when docs/results.md differs from what would be written")
+    args = parser.parse_args(argv)
+    text = build()
+    if not args.check:
+        OUT.write_text(text)
+        print(f"wrote {OUT.relative_to(REPO)}")
+        return 0
+    current = OUT.read_text() if OUT.exists() else ""
+    if current == text:
+        return 0
+    diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "docs/results.md", "would write", lineterm="", n=0)
+    print("\n".join(list(diff)[:40]))
+    print("docs/results.md is stale: run python docs/build_results.py", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

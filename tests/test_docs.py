@@ -1,0 +1,153 @@
+"""The docs stay true: docs/results.md is what docs/build_results.py writes from the committed results,
+the README is short with a working contents list, every relative link in README.md and docs/*.md
+resolves (files and heading anchors), and tables of numbers live only in the generated page."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT
+
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+NUMBER_CELL = re.compile(r"^\**[-+−]?\d[\d,.]*( ± [\d.]+)?( ?[a-zA-Z%]{0,3})?\**$")
+TYPED_HISTORY = "<!-- typed history"
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("build_results", REPO_ROOT / "docs" / "build_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def builder():
+    return load_builder()
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks and inline code, where links and headings do not count."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(path: Path, slug) -> set[str]:
+    """GitHub's heading anchors of a page (a repeated heading gets -1, -2, ...)."""
+    seen, found = {}, set()
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+    for title in re.findall(r"^#{1,6} +(.+?) *#*$", text, flags=re.M):
+        base = slug(title)
+        found.add(base if base not in seen else f"{base}-{seen[base]}")
+        seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+# ----------------------------------------------------------------------------- the generated page
+
+def test_results_md_is_what_the_builder_writes(builder, capsys):
+    assert builder.main(["--check"]) == 0, (
+        "docs/results.md is stale: run `python docs/build_results.py` and commit it\n" + capsys.readouterr().out)
+
+
+def test_the_check_fails_on_a_stale_page_and_names_the_fix(builder, tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "results.md"
+    stale.write_text(builder.build().replace("| step_001600 |", "| step_001400 |").replace("1.", "9.", 1))
+    monkeypatch.setattr(builder, "OUT", stale)
+    assert builder.main(["--check"]) == 1
+    assert "python docs/build_results.py" in capsys.readouterr().err
+    monkeypatch.setattr(builder, "OUT", tmp_path / "missing.md")
+    assert builder.main(["--check"]) == 1
+
+
+def test_a_renamed_metrics_key_fails_loudly_instead_of_leaving_a_blank_column(builder):
+    table = builder.Table("t", "data/metrics/train.json", [("τ", "no_such_key", "{}")])
+    with pytest.raises(KeyError, match="no_such_key"):
+        builder.render(table)
+
+
+def test_key_paths_walk_nested_sections_lists_and_wildcards(builder, tmp_path, monkeypatch):
+    (tmp_path / "m.json").write_text(json.dumps({"teacher_forced": {"tau": 1.5, "tau_ci95": 0.1},
+                                                 "tree": {"4": {"tau": 1.7}, "8": {"tau": 1.8}}}))
+    monkeypatch.setattr(builder, "REPO", tmp_path)
+    one = builder.render(builder.Table("t", "m.json", [("τ", ("teacher_forced.tau", "teacher_forced.tau_ci95"), "{} ± {}")]))
+    assert "| 1.5 ± 0.1 |" in one
+    trees = builder.render(builder.Table("t", "m.json", [("K", "@", "{}"), ("τ", "tau", "{:.2f}")], rows="tree.*"))
+    assert "| 4 | 1.70 |" in trees and "| 8 | 1.80 |" in trees
+
+
+def test_the_readme_headline_is_the_committed_run(builder):
+    """The README's measured τ and speedup are the ones of the committed eval metrics."""
+    table = builder.render(builder.COMMITTED[0]).splitlines()
+    header, row = ([c.strip() for c in line.strip("|").split("|")] for line in (table[4], table[6]))
+    cells = dict(zip(header, row))
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert f"τ = {cells['teacher-forced τ']}" in readme
+    assert f"speedup {cells['speedup']}" in readme
+
+
+# ----------------------------------------------------------------------------- the README
+
+def test_the_readme_is_under_250_lines():
+    lines = (REPO_ROOT / "README.md").read_text().count("\n")
+    assert lines < 250, f"README.md has {lines} lines: move detail into docs/"
+
+
+def test_the_readme_contents_list_names_every_section_and_each_anchor_resolves(builder):
+    text = (REPO_ROOT / "README.md").read_text()
+    contents = re.search(r"^## Contents\n(.*?)^## ", text, flags=re.S | re.M)
+    assert contents, "README.md has no '## Contents' section"
+    listed = re.findall(r"\]\(#([^)]+)\)", contents.group(1))
+    sections = [builder.slug(t) for t in re.findall(r"^## +(.+)$", prose_headings(text), flags=re.M)]
+    assert set(listed) <= anchors(REPO_ROOT / "README.md", builder.slug), f"unresolved: {set(listed) - set(sections)}"
+    assert listed == [s for s in sections if s != "contents"], "the contents list and the ## sections differ"
+
+
+def prose_headings(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def test_slug_follows_github(builder):
+    assert builder.slug("The `dflash-pipeline` command") == "the-dflash-pipeline-command"
+    assert builder.slug("How τ grows with training (10,000 steps)") == "how-τ-grows-with-training-10000-steps"
+    assert builder.slug("The selector's sizes") == "the-selectors-sizes"
+
+
+# ----------------------------------------------------------------------------- every page
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_every_relative_link_resolves(page, builder):
+    broken = []
+    for target in LINK.findall(prose(page.read_text())):
+        if re.match(r"^[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, fragment = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif fragment and file.suffix == ".md" and fragment not in anchors(file, builder.slug):
+            broken.append(f"{target}: no heading with that anchor in {file.name}")
+    assert not broken, f"{page.relative_to(REPO_ROOT)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "results.md"], ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_tables_of_numbers_are_generated_not_typed(page):
+    """A table with a number in a cell belongs in docs/results.md, generated from a committed result
+    file; an old study that kept no such file says so in a `<!-- typed history ... -->` line above."""
+    lines = prose_headings(page.read_text()).splitlines()
+    typed = []
+    for i, line in enumerate(lines):
+        if not line.startswith("|") or line.startswith("|---"):
+            continue
+        start = i
+        while start > 0 and lines[start - 1].startswith("|"):
+            start -= 1
+        if start > 0 and lines[start - 1].startswith(TYPED_HISTORY):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if any(NUMBER_CELL.match(c) for c in cells):
+            typed.append(f"line {i + 1}: {line[:80]}")
+    assert not typed, f"{page.name}: hand-typed numbers in a table (generate it in docs/build_results.py): {typed}"
