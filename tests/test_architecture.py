@@ -15,8 +15,8 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 # (and, within its own layer, only where the table's order allows: earlier entries first).
 LAYERS = [
     ["errors", "files", "config", "runtime", "devices", "stats", "progress"],
-    ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "drafters.dflash2", "drafters.core",
-     "drafters.serving", "decoding.sampling", "decoding.trees"],
+    ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "decoding.sampling", "decoding.trees",
+     "drafters.family", "drafters.core", "drafters.architecture", "drafters.dflash", "drafters.dflash2", "drafters.serving"],
     ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "evaluate.scoring", "train.loss"],
     ["generate", "capture", "train.run", "evaluate.run", "export"],
     ["report"],
@@ -67,6 +67,9 @@ def closure(path: Path) -> set[str]:
         if name not in seen:
             seen.add(name)
             todo.extend(package_imports(module_path(name)))
+            wing = name.split(".")[0]
+            if wing in WINGS and package_imports(module_path(wing)):  # importing a wing's module runs its __init__ first
+                todo.append(wing)
     return seen
 
 
