@@ -34,13 +34,15 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
 
     from dflash_pipeline.devices import timed
     from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.drafters.build import choose_architecture
     from dflash_pipeline.train.run import TrainingRun, train_step
 
     drafter = DFlashDrafter(drafter_state["config"]).to(device)
     drafter.load_state_dict(drafter_state["weights"])
     run = TrainingRun(config=replace(config, max_steps=len(plan)), drafter=drafter, head=head, vocabulary=vocabulary,
                       optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95)), train_set=_Source(sample),
-                      val_set=None, plan=plan, mask_token_id=mask_token_id, gamma=gamma, record={}, device=device, attention=attention)
+                      val_set=None, plan=plan, mask_token_id=mask_token_id, gamma=gamma, record={}, device=device, attention=attention,
+                      loss_options=choose_architecture(config).loss_options)
     rows, seconds = timed(lambda: [train_step(run, step) for step in range(len(plan))], device)
     return seconds, sum(row["context_tokens"] for row in rows), sum(row["trained_positions"] for row in rows), drafter
 
@@ -54,7 +56,7 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
 def main(hidden, target_json, steps, rounds, device):
     import torch
 
-    from dflash_pipeline.data.blocks import default_gamma
+    from dflash_pipeline.train.loss import default_gamma
     from dflash_pipeline.devices import bf16_peak_tflops
     from dflash_pipeline.config import load_params
     from dflash_pipeline.drafters.core import DFlashDrafter, count_parameters, training_flops

@@ -490,7 +490,7 @@ def test_a_sliding_window_drafter_drafts_the_same_batched_as_at_decoding():
     samples = split.samples[:3]
 
     def batched_logits(model):
-        batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=2, gamma=1.0,
+        batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=2,
                             anchor_seeds=[scoring_anchor_seed(0, i) for i in range(3)], sliding_window=model.config.sliding_window)
         hidden = model.forward_blocks(batch.features, batch.context_positions, head.embed(batch.block_ids), batch.block_positions,
                                       batch.mask)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash_pipeline.data.blocks import decay_weights, default_gamma
+from dflash_pipeline.train.loss import decay_weights, default_gamma
 from dflash_pipeline.drafters.core import DraftCache, draft_block
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
 from dflash_pipeline.target.load import TargetHead

@@ -13,7 +13,8 @@ import torch
 import yaml
 
 from conftest import REPO_ROOT, run, start_then_kill_9
-from dflash_pipeline.data.blocks import build_batch, decay_weights, valid_anchors
+from dflash_pipeline.data.blocks import build_batch, valid_anchors
+from dflash_pipeline.train.loss import decay_weights, training_targets
 from dflash_pipeline.capture import run_capture
 from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.config import CaptureConfig, TrainConfig
@@ -65,23 +66,23 @@ def test_anchors_labels_and_weights_follow_the_recipe():
     mask = [0, 0, 1, 1, 1, 0, 1, 1]
     assert valid_anchors(torch.tensor(mask)).tolist() == [2, 3, 6]
     sample = _sample([10, 11, 12, 13, 14, 15, 16, 17], mask)
-    batch = build_batch([sample], anchors_per_sequence=10, block_size=4, mask_token_id=99, gamma=4.0, anchor_seeds=[0])
+    batch = build_batch([sample], anchors_per_sequence=10, block_size=4, mask_token_id=99, anchor_seeds=[0])
     assert batch.block_ids.view(-1, 4).tolist() == [[12, 99, 99, 99], [13, 99, 99, 99], [16, 99, 99, 99]]
     assert batch.block_positions.view(-1, 4)[2].tolist() == [6, 7, 8, 9]
     assert batch.labels.tolist()[0] == [13, 14, 15]
     decay = decay_weights(4, 4.0).tolist()
     # Anchor 2: slot 3 predicts position 5, outside the answer; anchor 6: slots past the end weigh 0.
-    assert batch.weights.tolist()[0] == pytest.approx([decay[0], decay[1], 0.0])
-    assert batch.weights.tolist()[2] == pytest.approx([decay[0], 0.0, 0.0])
-    again = build_batch([sample], anchors_per_sequence=2, block_size=4, mask_token_id=99, gamma=4.0, anchor_seeds=[5])
-    assert torch.equal(again.block_ids, build_batch([sample], anchors_per_sequence=2, block_size=4, mask_token_id=99,
-                                                     gamma=4.0, anchor_seeds=[5]).block_ids)
+    weights = training_targets(batch, [sample], 4.0).weights
+    assert weights.tolist()[0] == pytest.approx([decay[0], decay[1], 0.0])
+    assert weights.tolist()[2] == pytest.approx([decay[0], 0.0, 0.0])
+    again = build_batch([sample], anchors_per_sequence=2, block_size=4, mask_token_id=99, anchor_seeds=[5])
+    assert torch.equal(again.block_ids, build_batch([sample], anchors_per_sequence=2, block_size=4, mask_token_id=99, anchor_seeds=[5]).block_ids)
 
 
 def test_the_sliding_window_masks_context_before_the_anchor():
     sample = _sample(list(range(10, 22)), [0, 0] + [1] * 10)
-    full = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, gamma=4.0, anchor_seeds=[1])
-    windowed = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, gamma=4.0, anchor_seeds=[1],
+    full = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1])
+    windowed = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1],
                            sliding_window=3)
     anchors = windowed.block_positions.view(-1, 4)[:, 0].repeat_interleave(4)
     keys = torch.arange(12)
@@ -443,13 +444,13 @@ def test_each_slot_is_distilled_from_the_target_distribution_before_it():
     positions = torch.arange(len(ids), dtype=torch.int32)
     sample.target_topk_ids = torch.stack([positions * 100, positions * 100 + 1], dim=1)
     sample.target_topk_logprobs = -positions.float()[:, None].repeat(1, 2)
-    batch = build_batch([sample], anchors_per_sequence=10, block_size=4, mask_token_id=99, gamma=4.0, anchor_seeds=[0])
+    batch = build_batch([sample], anchors_per_sequence=10, block_size=4, mask_token_id=99, anchor_seeds=[0])
+    targets = training_targets(batch, [sample], 4.0)
     for block, anchor in enumerate(batch.anchors.tolist()):
         expected = [min(anchor + k, len(ids) - 1) - 1 for k in (1, 2, 3)]
-        assert (batch.soft_ids[block, :, 0] // 100).tolist() == expected
-        assert (-batch.soft_logprobs[block, :, 0]).tolist() == expected
-    assert build_batch([_sample(ids, [0, 0, 1, 1, 1, 1, 1, 1])], anchors_per_sequence=2, block_size=4, mask_token_id=99,
-                       gamma=4.0, anchor_seeds=[0]).soft_ids is None
+        assert (targets.soft_ids[block, :, 0] // 100).tolist() == expected
+        assert (-targets.soft_logprobs[block, :, 0]).tolist() == expected
+    assert training_targets(build_batch([_sample(ids, [0, 0, 1, 1, 1, 1, 1, 1])], anchors_per_sequence=2, block_size=4, mask_token_id=99, anchor_seeds=[0]), [_sample(ids, [0, 0, 1, 1, 1, 1, 1, 1])], 4.0).soft_ids is None
 
 
 def test_distillation_trains_and_needs_the_top_k_in_the_shards(tiny_run, tmp_path):
@@ -558,11 +559,12 @@ def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
     samples = [_sample(torch.randint(0, 48, (24,)).tolist(), [0] * 4 + [1] * 20, width=64) for _ in range(2)]
     for sample in samples:
         sample.features.normal_()
-    batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=49, gamma=4.0, anchor_seeds=[0, 1])
+    batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=49, anchor_seeds=[0, 1])
+    targets = training_targets(batch, samples, 4.0)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     curve = []
     for _ in range(60):
-        result = block_loss(drafter, head, batch, logits_chunk=16, loss_options=DFlash2LossOptions(selector_weight=1.0))
+        result = block_loss(drafter, head, batch, targets, logits_chunk=16, loss_options=DFlash2LossOptions(selector_weight=1.0))
         loss, stats = result.loss, result.extra_stats
         optimizer.zero_grad()
         loss.backward()
@@ -571,7 +573,7 @@ def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
     (first_loss, first_selector, _), (last_loss, last_selector, last_hits) = curve[0], curve[-1]
     assert last_loss < 0.3 * first_loss and last_selector < 0.3 * first_selector and last_hits > 0.9, curve[::10]
     assert drafter.layers[0].mlp_conv.kernel_projection.weight.abs().sum() > 0  # the convolution left the identity
-    plain = block_loss(drafter, head, batch, logits_chunk=16, loss_options=DFlash2LossOptions(selector_weight=0.0)).loss
+    plain = block_loss(drafter, head, batch, targets, logits_chunk=16, loss_options=DFlash2LossOptions(selector_weight=0.0)).loss
     assert plain.item() < loss.item()  # the selector term was part of the loss
 
 

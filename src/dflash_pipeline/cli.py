@@ -285,23 +285,15 @@ def drafter_lines(config) -> list[tuple[str, object]]:
 
 def weights_line(files: list[Path]) -> str:
     """Stored dtype(s), parameter count and size of safetensors files, from their headers only."""
-    from safetensors import SafetensorError, safe_open
+    from dflash_pipeline.tensor_files import safetensors_header
 
     dtypes, parameters = set(), 0
     for file in files:
-        try:
-            with safe_open(file, framework="pt") as handle:
-                for name in handle.keys():
-                    part = handle.get_slice(name)
-                    if part.get_dtype()[0] in "IUB":  # token ids (a draft vocabulary), not weights
-                        continue
-                    dtypes.add(part.get_dtype())
-                    count = 1
-                    for dim in part.get_shape():
-                        count *= dim
-                    parameters += count
-        except SafetensorError as exc:
-            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+        for entry in safetensors_header(file).values():
+            if entry.dtype[0] in "IUB":  # token ids (a draft vocabulary), not weights
+                continue
+            dtypes.add(entry.dtype)
+            parameters += entry.numel
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     kinds = ", ".join(sorted(names.get(d, d) for d in dtypes)) or "no tensors"
     return f"{kinds}, {parameters / 1e6:.2f} M parameters, {format_bytes(sum(f.stat().st_size for f in files))} in {len(files)} file(s)"

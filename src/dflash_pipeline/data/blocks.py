@@ -19,18 +19,6 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.drafters.core import dflash_mask
 
 
-def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """exp(-(k-1)/gamma) for slots k = 1..B-1: early slots matter most, since a draft is only
-    accepted up to its first miss."""
-    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / gamma)
-
-
-def default_gamma(block_size: int) -> float:
-    """DFlash's decay: 7 for B = 16, 4 for B = 8 (linear in between, a floor of 1)."""
-    return max(1.0, {16: 7.0, 8: 4.0}.get(block_size, 4.0 + (block_size - 8) * 3.0 / 8.0))
-
-
 def training_anchor_seed(seed: int, step: int, position: int) -> int:
     """The anchor seed of the `position`-th sequence of training step `step` (fresh every step)."""
     return seed * 1_000_003 + step * 10_007 + position
@@ -61,6 +49,10 @@ def draw_anchors(loss_mask: torch.Tensor, count: int, seed: int) -> list[int]:
 
 @dataclass
 class Batch:
+    """The blocks of one forward and what they should draft. What only training needs (slot
+    weights, the target's distributions) is training's to add (`train.loss.training_targets`)."""
+
+    block_size: int  # B: slot 0 the anchor, slots 1..B-1 drafted; the one copy the batch's users read
     features: list[torch.Tensor]  # per sequence [S_i, N*H]; together the packed context [C, N*H]
     context_positions: torch.Tensor  # [C]
     block_ids: torch.Tensor  # [Q] anchor token, then mask tokens, per block
@@ -68,18 +60,22 @@ class Batch:
     mask: torch.Tensor  # [Q, C + Q] which keys each block query sees
     labels: torch.Tensor  # [blocks, B-1] token each drafted slot should produce
     exists: torch.Tensor  # [blocks, B-1] bool: the slot holds an answer token to compare with
-    weights: torch.Tensor  # [blocks, B-1] decayed loss weight (0 where the slot does not exist)
     block_sequence: torch.Tensor  # [blocks] index of the block's sequence within the batch
     context_tokens: int
-    # The target's top-K next-token ids and log-probs for each drafted slot (its distribution
-    # given the true prefix), [blocks, B-1, K]; None when the shards hold none.
-    soft_ids: torch.Tensor | None = None
-    soft_logprobs: torch.Tensor | None = None
 
     @property
     def anchors(self) -> torch.Tensor:
         """[blocks] anchor position of each block."""
-        return self.block_positions.view(self.labels.shape[0], -1)[:, 0]
+        return self.block_positions.view(-1, self.block_size)[:, 0]
+
+    @property
+    def anchor_ids(self) -> torch.Tensor:
+        """[blocks] anchor token of each block (its slot 0)."""
+        return self.block_ids.view(-1, self.block_size)[:, 0]
+
+    def drafted(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafted slots' rows [blocks, B-1, ...] of a forward's output [Q, ...] (slot 0 dropped)."""
+        return hidden.view(-1, self.block_size, *hidden.shape[1:])[:, 1:]
 
     def to(self, device: str) -> "Batch":
         """The tensors the forward reads moved to `device`; labels and weights stay where they are."""
@@ -92,7 +88,7 @@ class Batch:
         return Batch(**moved)
 
 
-def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_token_id: int, gamma: float, anchor_seeds: list[int],
+def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_token_id: int, anchor_seeds: list[int],
                 sliding_window: int | None = None) -> Batch:
     """Pack sequences and their anchors into one DFlash forward's inputs.
 
@@ -101,8 +97,7 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
     """
     features, context_positions, context_sequence = [], [], []
     block_ids, block_positions, block_sequence, block_anchor, block_index = [], [], [], [], []
-    labels, exists, sequence_of_block, soft_ids, soft_logprobs = [], [], [], [], []
-    with_soft = all(getattr(s, "target_topk_ids", None) is not None and s.target_topk_ids.shape[-1] > 0 for s in samples)
+    labels, exists, sequence_of_block = [], [], []
     offsets = torch.arange(block_size)
     blocks = 0
     for number, sample in enumerate(samples):
@@ -124,9 +119,6 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
             target_slots = slots[1:].clamp(max=length - 1)
             labels.append(ids[target_slots])
             exists.append(mask[target_slots] & (slots[1:] < length))
-            if with_soft:  # slot k's token follows position a + k - 1: the target's distribution there
-                soft_ids.append(sample.target_topk_ids[target_slots - 1].long())
-                soft_logprobs.append(sample.target_topk_logprobs[target_slots - 1].float())
             sequence_of_block.append(number)
             blocks += 1
     if blocks == 0:
@@ -134,18 +126,15 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
     context_sequence_t, context_positions_t = torch.cat(context_sequence), torch.cat(context_positions)
     mask = dflash_mask(context_sequence_t, context_positions_t, torch.cat(block_sequence), torch.cat(block_anchor), torch.cat(block_index),
                        sliding_window=sliding_window)
-    exists_t = torch.stack(exists)
     return Batch(
+        block_size=block_size,
         features=features,
         context_positions=context_positions_t,
         block_ids=torch.cat(block_ids),
         block_positions=torch.cat(block_positions),
         mask=mask,
         labels=torch.stack(labels),
-        exists=exists_t,
-        weights=decay_weights(block_size, gamma) * exists_t.float(),
+        exists=torch.stack(exists),
         block_sequence=torch.tensor(sequence_of_block),
         context_tokens=int(context_positions_t.numel()),
-        soft_ids=torch.stack(soft_ids) if with_soft else None,
-        soft_logprobs=torch.stack(soft_logprobs) if with_soft else None,
     )

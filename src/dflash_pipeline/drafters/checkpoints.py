@@ -72,8 +72,7 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
 def load_checkpoint(folder: Path, *, device: str = "cpu") -> tuple[DFlashDrafter, dict]:
     """A drafter from a step folder: weights from safetensors (no pickle), config from its JSON.
     A missing, cut or foreign file is one PipelineError line naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from dflash_pipeline.tensor_files import load_safetensors
 
     folder = Path(folder)
     info_path, weights_path = folder / "checkpoint.json", folder / "model.safetensors"
@@ -90,12 +89,7 @@ def load_checkpoint(folder: Path, *, device: str = "cpu") -> tuple[DFlashDrafter
         drafter = DFlashDrafter(DrafterConfig.from_dict(info["drafter"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise PipelineError(f"{info_path}: drafter config unusable ({_one_line(exc)})") from None
-    try:
-        weights = load_file(weights_path, device="cpu")
-    except FileNotFoundError:
-        raise PipelineError(f"{weights_path}: missing") from None
-    except (SafetensorError, OSError) as exc:
-        raise PipelineError(f"{weights_path}: unreadable safetensors file ({_one_line(exc)})") from None
+    weights = load_safetensors(weights_path)
     try:
         drafter.load_state_dict(weights)
     except RuntimeError as exc:

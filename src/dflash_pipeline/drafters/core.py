@@ -90,6 +90,26 @@ class DrafterConfig:
         return cls(**data, options=options)
 
 
+@dataclass(frozen=True)
+class TokenColumns:
+    """The one map between token ids and the columns of a head restricted to a subset of the
+    vocabulary (a drafter's draft vocabulary, training's softmax vocabulary), or the whole one."""
+
+    token_ids: torch.Tensor | None  # [V'] the columns' token ids, ascending; None: column = token id
+
+    def columns(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids -> columns (-1 where the subset lacks the token)."""
+        if self.token_ids is None:
+            return token_ids
+        vocab = self.token_ids.to(token_ids.device)
+        column = torch.searchsorted(vocab, token_ids.long()).clamp(max=vocab.numel() - 1)
+        return torch.where(vocab[column] == token_ids, column, torch.full_like(column, -1))
+
+    def tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        """Columns -> token ids."""
+        return columns if self.token_ids is None else self.token_ids.to(columns.device)[columns]
+
+
 class ArchitectureModule(nn.Module):
     """A module an architecture adds to the core: it sets its own first weights in
     `reset_parameters` (after the generic init of the Linear layers inside it)."""
@@ -312,17 +332,18 @@ class DFlashDrafter(nn.Module):
             self._draft_rows = (key, weight[self.draft_vocab.to(weight.device)].contiguous())
         return self._draft_rows[1]
 
+    @property
+    def token_columns(self) -> TokenColumns:
+        """Token ids <-> columns of the drafter's logits (its draft vocabulary, or the whole one)."""
+        return TokenColumns(self.draft_vocab if self.has_draft_vocab else None)
+
     def vocab_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token ids -> columns of the drafter's logits (-1 where the draft vocabulary lacks it)."""
-        if not self.has_draft_vocab:
-            return token_ids
-        vocab = self.draft_vocab.to(token_ids.device)
-        column = torch.searchsorted(vocab, token_ids.long()).clamp(max=vocab.numel() - 1)
-        return torch.where(vocab[column] == token_ids, column, torch.full_like(column, -1))
+        return self.token_columns.columns(token_ids)
 
     def vocab_tokens(self, columns: torch.Tensor) -> torch.Tensor:
         """Columns of the drafter's logits -> token ids."""
-        return columns if not self.has_draft_vocab else self.draft_vocab.to(columns.device)[columns]
+        return self.token_columns.tokens(columns)
 
     def folded_fc_weight(self) -> torch.Tensor:
         """fc.weight with the feature scale multiplied in: what a drafter without the scale uses."""

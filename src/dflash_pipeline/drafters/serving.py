@@ -298,7 +298,7 @@ def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, 
 
     Returns (tensors, {name: stored dtype}). Every problem is one line naming the file and tensor.
     """
-    from safetensors import SafetensorError, safe_open
+    from dflash_pipeline.tensor_files import load_safetensors, safetensors_header
 
     directory = Path(directory)
     single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX
@@ -311,24 +311,22 @@ def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, 
     for file in files:
         if not file.is_file():
             raise PipelineError(f"{index}: names shard {file.name}, which does not exist")
-        try:
-            with safe_open(file, framework="pt") as handle:
-                for stored_name in handle.keys():
-                    name = (aliases or {}).get(stored_name, stored_name)  # a published spelling of one of ours
-                    if name in tensors:
-                        raise PipelineError(f"{file}: holds {name!r} twice (as {stored_name!r} and another spelling)")
-                    if name not in expected_shapes:
-                        raise PipelineError(f"{file}: unexpected tensor {name!r} (not a DFlash drafter weight)")
-                    if indexed and indexed.get(stored_name) != file:
-                        raise PipelineError(f"{file}: holds {stored_name!r}, which {WEIGHTS_INDEX} places elsewhere")
-                    shape = tuple(handle.get_slice(stored_name).get_shape())
-                    if shape != expected_shapes[name]:
-                        raise PipelineError(f"{file}: tensor {name!r} has shape {list(shape)}, config.json implies {list(expected_shapes[name])}")
-                    tensor = handle.get_tensor(stored_name)
-                    stored[name] = str(tensor.dtype).removeprefix("torch.")
-                    tensors[name] = tensor.to(torch.float32)
-        except SafetensorError as exc:
-            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+        header = safetensors_header(file)  # names and shapes checked before any data is read
+        for stored_name, entry in header.items():
+            name = (aliases or {}).get(stored_name, stored_name)  # a published spelling of one of ours
+            if name in tensors or name in stored:
+                raise PipelineError(f"{file}: holds {name!r} twice (as {stored_name!r} and another spelling)")
+            if name not in expected_shapes:
+                raise PipelineError(f"{file}: unexpected tensor {name!r} (not a DFlash drafter weight)")
+            if indexed and indexed.get(stored_name) != file:
+                raise PipelineError(f"{file}: holds {stored_name!r}, which {WEIGHTS_INDEX} places elsewhere")
+            if entry.shape != expected_shapes[name]:
+                raise PipelineError(f"{file}: tensor {name!r} has shape {list(entry.shape)}, config.json implies {list(expected_shapes[name])}")
+            stored[name] = None
+        for stored_name, tensor in load_safetensors(file).items():
+            name = (aliases or {}).get(stored_name, stored_name)
+            stored[name] = str(tensor.dtype).removeprefix("torch.")
+            tensors[name] = tensor.to(torch.float32)
     missing = [name for name in expected_shapes if name not in tensors]
     if missing:
         where = directory / WEIGHTS_INDEX if indexed else directory / WEIGHTS_FILE
@@ -356,12 +354,11 @@ def _provenance(directory: Path, config: DrafterConfig) -> tuple[dict | None, Dr
 
 
 def _read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor:
-    from safetensors.torch import load_file
+    from dflash_pipeline.tensor_files import load_safetensors
 
-    try:
-        token_ids = load_file(path)["token_ids"]
-    except Exception as exc:  # a damaged file: one line naming it
-        raise PipelineError(f"{path}: unreadable draft vocabulary ({exc})") from None
+    token_ids = load_safetensors(path, ["token_ids"]).get("token_ids")
+    if token_ids is None:
+        raise PipelineError(f"{path}: no token_ids tensor (not a draft vocabulary)")
     if token_ids.dim() != 1 or token_ids.numel() == 0 or token_ids.min() < 0 or token_ids.max() >= vocab_size:
         raise PipelineError(f"{path}: token_ids must be a non-empty list of ids in 0..{vocab_size - 1}")
     return token_ids

@@ -250,13 +250,12 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         if not any(valid_anchors(sample.loss_mask).numel() for sample in samples):
             continue
         batch = build_batch(samples, anchors_per_sequence=cap, block_size=block_size, mask_token_id=config.mask_token_id,
-                            gamma=1.0, anchor_seeds=[scoring_anchor_seed(seed, index) for index in group],
+                            anchor_seeds=[scoring_anchor_seed(seed, index) for index in group],
                             sliding_window=config.sliding_window).to(str(device))
         embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
         hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
                                         attention=attention)
-        pending.append((hidden.view(-1, block_size, hidden.shape[-1])[:, 1:], drafter.vocab_index(batch.labels), batch.exists,
-                        batch.block_ids.view(-1, block_size)[:, 0].cpu(), batch.labels))
+        pending.append((batch.drafted(hidden), drafter.vocab_index(batch.labels), batch.exists, batch.anchor_ids.cpu(), batch.labels))
         if sum(piece[0].shape[0] for piece in pending) >= chunk:
             score_pending(everything=False)
         parts["valid"].append(batch.exists.numpy())

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import read_json
+from dflash_pipeline.tensor_files import load_safetensors, safetensors_header
 
 # The RoPE base transformers 4.x and 5.x assume when a config names none (a few model classes set their own).
 DEFAULT_ROPE_THETA = 10_000.0
@@ -185,8 +186,6 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     The one place that knows how a Hugging Face folder lays out its safetensors weights; a missing
     index shard or a folder without weights is one line naming it.
     """
-    from safetensors import SafetensorError, safe_open
-
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -199,18 +198,12 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         raise PipelineError(f"{model_dir}: no safetensors weights")
     names = {}
     for file in files:
-        try:
-            with safe_open(file, framework="pt") as handle:
-                names.update({name: file for name in handle.keys()})
-        except SafetensorError as exc:
-            raise PipelineError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+        names.update({name: file for name in safetensors_header(file)})
     return names
 
 
 def read_tensors(model_dir: Path, suffixes: list[str]) -> dict:
     """Only the named tensors (matched by name suffix), read from a model folder's weight files."""
-    from safetensors import safe_open
-
     names = weight_files(model_dir)
     found = {}
     for suffix in suffixes:
@@ -218,8 +211,7 @@ def read_tensors(model_dir: Path, suffixes: list[str]) -> dict:
         if matches:
             if not names[matches[0]].is_file():
                 raise PipelineError(f"{model_dir}/model.safetensors.index.json: names {names[matches[0]].name}, which does not exist")
-            with safe_open(names[matches[0]], framework="pt") as handle:
-                found[suffix] = handle.get_tensor(matches[0])
+            found[suffix] = load_safetensors(names[matches[0]], [matches[0]])[matches[0]]
     return found
 
 

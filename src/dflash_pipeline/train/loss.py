@@ -24,7 +24,7 @@ import torch
 
 from dflash_pipeline.data.blocks import Batch
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.core import DFlashDrafter, TokenColumns
 from dflash_pipeline.target.load import TargetHead
 
 
@@ -89,22 +89,25 @@ class TrainingVocabulary:
     """
 
     head_rows: torch.Tensor  # [V', H] rows of the LM head
-    index_of: torch.Tensor | None  # [V] full id -> row in head_rows (-1: absent); None = full
-    token_ids: torch.Tensor | None = None  # [V'] the rows' token ids, ascending; None = full
+    columns: TokenColumns  # token ids <-> rows of head_rows (the drafter's draft vocabulary uses the same map)
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """[V'] the rows' token ids, ascending; None = the whole vocabulary."""
+        return self.columns.token_ids
 
     @classmethod
     def full(cls, head: TargetHead) -> "TrainingVocabulary":
-        return cls(head.lm_head_weight, None)
+        return cls(head.lm_head_weight, TokenColumns(None))
 
     @classmethod
     def from_tokens(cls, head: TargetHead, token_ids: torch.Tensor) -> "TrainingVocabulary":
         token_ids = torch.unique(token_ids).to(head.lm_head_weight.device)
-        index_of = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=token_ids.device)
-        index_of[token_ids] = torch.arange(token_ids.numel(), device=token_ids.device)
-        return cls(head.lm_head_weight[token_ids].contiguous(), index_of, token_ids)
+        return cls(head.lm_head_weight[token_ids].contiguous(), TokenColumns(token_ids))
 
     def map(self, labels: torch.Tensor) -> torch.Tensor:
-        return labels if self.index_of is None else self.index_of[labels]
+        """Token ids -> rows of head_rows (-1 where absent)."""
+        return self.columns.columns(labels)
 
 
 def distillation_targets(labels: torch.Tensor, soft_ids: torch.Tensor, soft_logprobs: torch.Tensor, distill_weight: float,
@@ -122,6 +125,46 @@ def distillation_targets(labels: torch.Tensor, soft_ids: torch.Tensor, soft_logp
     return torch.cat([labels[:, None], ids], dim=1), torch.cat([one_hot, probs], dim=1)
 
 
+def decay_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for slots k = 1..B-1: early slots matter most, since a draft is only
+    accepted up to its first miss."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def default_gamma(block_size: int) -> float:
+    """DFlash's decay: 7 for B = 16, 4 for B = 8 (linear in between, a floor of 1)."""
+    return max(1.0, {16: 7.0, 8: 4.0}.get(block_size, 4.0 + (block_size - 8) * 3.0 / 8.0))
+
+
+@dataclass
+class TrainingTargets:
+    """What the objective needs beside a batch's blocks: built by training only."""
+
+    weights: torch.Tensor  # [blocks, B-1] decayed loss weight (0 where the slot does not exist)
+    # The target's top-K next-token ids and log-probs for each drafted slot (its distribution
+    # given the true prefix), [blocks, B-1, K]; None when the shards hold none.
+    soft_ids: torch.Tensor | None = None
+    soft_logprobs: torch.Tensor | None = None
+
+
+def training_targets(batch: Batch, samples, gamma: float) -> TrainingTargets:
+    """Slot weights exp(-(k-1)/gamma) where the slot exists, and, when every sample carries the
+    target's top-K (capture.target_top_k > 0), each slot's target distribution: slot k's token
+    follows position a + k - 1, so the distribution captured there."""
+    weights = decay_weights(batch.block_size, gamma) * batch.exists.float()
+    if not all(getattr(s, "target_topk_ids", None) is not None and s.target_topk_ids.shape[-1] > 0 for s in samples):
+        return TrainingTargets(weights)
+    offsets = torch.arange(1, batch.block_size)
+    soft_ids, soft_logprobs = [], []
+    for sequence, anchor in zip(batch.block_sequence.tolist(), batch.anchors.cpu().tolist()):
+        sample = samples[sequence]
+        target_slots = (anchor + offsets).clamp(max=sample.input_ids.shape[0] - 1)
+        soft_ids.append(sample.target_topk_ids[target_slots - 1].long())
+        soft_logprobs.append(sample.target_topk_logprobs[target_slots - 1].float())
+    return TrainingTargets(weights, torch.stack(soft_ids), torch.stack(soft_logprobs))
+
+
 @dataclass
 class BlockLoss:
     loss: torch.Tensor  # the step's objective (normalised by the weight total)
@@ -130,39 +173,40 @@ class BlockLoss:
     extra_stats: dict  # the architecture's extra term's statistics, device tensors (`Architecture.extra_loss`)
 
 
-def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, *, logits_chunk: int, weight_total: torch.Tensor | None = None,
+def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, targets: TrainingTargets, *, logits_chunk: int,
+               weight_total: torch.Tensor | None = None,
                attention: str = "sdpa", vocabulary: TrainingVocabulary | None = None, distill_weight: float = 0.0,
                loss_options=None) -> BlockLoss:
     """Decayed CE over the drafted slots of a batch, plus the drafter architecture's own term.
 
     `weight_total` (the sum over all ranks) normalises the loss so data-parallel ranks add up to
     the same objective as one process with the whole batch. `vocabulary` restricts the softmax.
+    `targets` are the slots' weights and the target's distributions (`training_targets`).
     `distill_weight` α > 0 mixes the target's captured top-K distribution into each slot's target
-    (the batch must carry it). `loss_options` are the architecture's training-only options
+    (`targets` must carry it). `loss_options` are the architecture's training-only options
     (`Architecture.loss_options_type`; None: its defaults), e.g. DFlash2's selector weight.
     """
     vocabulary = vocabulary or TrainingVocabulary.full(head)
-    block_size = drafter.config.block_size
     embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
     hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
                                     attention=attention)
-    hidden = hidden.view(-1, block_size, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
-    labels, weights = batch.labels.reshape(-1), batch.weights.reshape(-1).to(hidden.device)
+    hidden = batch.drafted(hidden).reshape(-1, hidden.shape[-1])
+    labels, weights = batch.labels.reshape(-1), targets.weights.reshape(-1).to(hidden.device)
     labels = vocabulary.map(labels.to(hidden.device))
     keep = (weights > 0) & (labels >= 0)  # slots past the end, outside the answer or vocabulary cost nothing
     soft_ids = soft_probs = None
     if distill_weight > 0:
-        if batch.soft_ids is None:
+        if targets.soft_ids is None:
             raise PipelineError("train.distill_weight > 0 needs the target's top-k in the shards (capture.target_top_k > 0)")
         soft_ids, soft_probs = distillation_targets(
-            labels[keep], batch.soft_ids.reshape(-1, batch.soft_ids.shape[-1]).to(hidden.device)[keep],
-            batch.soft_logprobs.reshape(-1, batch.soft_logprobs.shape[-1]).to(hidden.device)[keep], distill_weight, vocabulary)
+            labels[keep], targets.soft_ids.reshape(-1, targets.soft_ids.shape[-1]).to(hidden.device)[keep],
+            targets.soft_logprobs.reshape(-1, targets.soft_logprobs.shape[-1]).to(hidden.device)[keep], distill_weight, vocabulary)
     member = drafter.architecture
     loss_options = loss_options if loss_options is not None else member.loss_options_type()
     top_k = member.loss_top_k(drafter.config, loss_options)
     total, hits, *top = ChunkedHeadCrossEntropy.apply(hidden[keep], vocabulary.head_rows, labels[keep], weights[keep],
                                                       logits_chunk, soft_ids, soft_probs, top_k)
-    anchors = batch.block_ids.view(-1, block_size)[:, :1].to(batch.labels.device)
+    anchors = batch.anchor_ids[:, None].to(batch.labels.device)
     predecessors = torch.cat([anchors, batch.labels[:, :-1]], dim=1).reshape(-1).to(hidden.device)  # slot k follows slot k-1's answer
     term, extra_stats = member.extra_loss(drafter, hidden=hidden[keep], head_rows=vocabulary.head_rows,
                                           top_columns=top[0] if top_k else None, labels=labels[keep], predecessors=predecessors[keep],

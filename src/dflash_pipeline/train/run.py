@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.data.blocks import build_batch, default_gamma, training_anchor_seed
+from dflash_pipeline.data.blocks import build_batch, training_anchor_seed
 from dflash_pipeline.drafters.checkpoints import (
     list_checkpoints,
     load_resume_state,
@@ -39,7 +39,7 @@ from dflash_pipeline.config import TrainConfig
 from dflash_pipeline.devices import autocast, bf16_by_default
 from dflash_pipeline.drafters.build import choose_architecture, choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.train.loss import TrainingVocabulary, block_loss
+from dflash_pipeline.train.loss import TrainingVocabulary, block_loss, default_gamma, training_targets
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
 from dflash_pipeline.data.shards import ShardDataset, open_split
@@ -309,13 +309,15 @@ def train_step(run: TrainingRun, step: int) -> dict:
         group["lr"] = lr
     indices = run.plan[step]
     mine = list(range(run.rank, len(indices), world))
-    batch = build_batch([run.train_set[indices[i]] for i in mine], anchors_per_sequence=config.anchors_per_sequence,
-                        block_size=config.block_size, mask_token_id=run.mask_token_id, gamma=run.gamma,
-                        anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
-                        sliding_window=run.drafter.config.sliding_window).to(device)
-    weight_total = _all_reduce(batch.weights.sum().to(device), world)
+    samples = [run.train_set[indices[i]] for i in mine]
+    drafter_config = run.drafter.config  # the block geometry's one source once the drafter exists
+    batch = build_batch(samples, anchors_per_sequence=config.anchors_per_sequence, block_size=drafter_config.block_size,
+                        mask_token_id=run.mask_token_id, anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
+                        sliding_window=drafter_config.sliding_window).to(device)
+    targets = training_targets(batch, samples, run.gamma)
+    weight_total = _all_reduce(targets.weights.sum().to(device), world)
     with autocast(device, run.bf16):
-        step_loss = block_loss(run.drafter, run.head, batch, logits_chunk=config.logits_chunk, weight_total=weight_total,
+        step_loss = block_loss(run.drafter, run.head, batch, targets, logits_chunk=config.logits_chunk, weight_total=weight_total,
                                attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight,
                                loss_options=run.loss_options)
     loss, hits = step_loss.loss, step_loss.hits.cpu()
