@@ -55,19 +55,21 @@ def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every
                                  device="cpu")
     head = load_target_head(target, device="cpu", dtype=torch.float32)
     categories = sequence_categories(val_set, generated / "val.parquet")
-    rows, _ = score_candidates(candidates, head, val_set, categories, config, device="cpu")
+    records, _ = score_candidates(candidates, head, val_set, categories, config, device="cpu")
     e2e_names = [c.name for i, c in enumerate(candidates) if (i + 1) % e2e_every == 0 or i == len(candidates) - 1]
     e2e, _ = decode_end_to_end(e2e_names, candidates, head, target=target, layer_ids=val_set.manifest.layer_ids,
                                feature_dtype=val_set.manifest.feature_dtype, generated_val=generated / "val.parquet", config=config,
-                               device="cpu", acceptance={row["name"]: [row[f"slot{k}_acc_cond"] for k in range(1, row["block_size"])]
-                                                         for row in rows if row["name"] in e2e_names})
+                               device="cpu", acceptance={r.name: r.teacher_forced.slot_acceptance_conditional for r in records
+                                                         if r.name in e2e_names})
     table = []
-    for row in rows:
-        summary = e2e.get(row["name"], {})
-        table.append({"step": row["step"], "train_minutes": round(seconds_at.get(row["step"], float("nan")) / 60, 2),
-                      "tau": row["tau"], "tau_ci95": row["tau_ci95"], "ddtree8_streak": row.get("ddtree8_streak"),
-                      "e2e_tau": summary.get("e2e_tau"), "verify_tokens": summary.get("verify_tokens"), "speedup": summary.get("speedup"),
-                      "break_even_tau": summary.get("break_even_tau"), "lossless_rate": summary.get("lossless_rate")})
+    for record in records:
+        scored, chain = record.teacher_forced, e2e[record.name].chain if record.name in e2e else None
+        streak = scored.ddtree_streak.get(8)
+        table.append({"step": record.step, "train_minutes": round(seconds_at.get(record.step, float("nan")) / 60, 2),
+                      "tau": scored.tau.mean, "tau_ci95": scored.tau.ci95, "ddtree8_streak": streak.mean if streak else None,
+                      "e2e_tau": chain.tau.mean if chain else None, "verify_tokens": chain.verify_tokens if chain else None,
+                      "speedup": chain.speedup if chain else None, "break_even_tau": chain.break_even_tau if chain else None,
+                      "lossless_rate": chain.lossless_rate if chain else None})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
     with open(out.with_suffix(".csv"), "w", newline="") as handle:

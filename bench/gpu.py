@@ -165,12 +165,15 @@ def train_and_evaluate(work: Path, target, train_config, evaluate_config, *, dev
     result = run_evaluate(replace(evaluate_config, checkpoints="final"), target=target, hidden_val_dir=work / "hidden" / "val",
                           generated_val=work / "generated" / "val.parquet", checkpoints_dir=work / "checkpoints", device=device,
                           log=lambda *_: None)
-    best = result.best
+    best = result.record.chosen_record
+    scored, chain = best.teacher_forced, best.decoding.chain if best.decoding else None
+    streak = scored.ddtree_streak.get(8)
     return {"pipeline_train_steps": steps, "pipeline_train_seconds": trained["seconds"], "pipeline_block_size": config.block_size,
-            "pipeline_tau": best["tau"], "pipeline_tau_ci95": best["tau_ci95"], "pipeline_ddtree8_streak": best.get("ddtree8_streak"),
-            "e2e_tau": best.get("e2e_tau"), "e2e_speedup": best.get("speedup"), "e2e_lossless_rate": best.get("lossless_rate"),
-            "e2e_near_tie_mismatches": best.get("near_tie_mismatches"), "verify_cost_decode_steps": best.get("verify_cost_steps"),
-            "break_even_tau": best.get("break_even_tau")}
+            "pipeline_tau": scored.tau.mean, "pipeline_tau_ci95": scored.tau.ci95, "pipeline_ddtree8_streak": streak.mean if streak else None,
+            "e2e_tau": chain.tau.mean if chain else None, "e2e_speedup": chain.speedup if chain else None,
+            "e2e_lossless_rate": chain.lossless_rate if chain else None,
+            "e2e_near_tie_mismatches": chain.near_tie_mismatches if chain else None,
+            "verify_cost_decode_steps": chain.verify_cost_steps if chain else None, "break_even_tau": chain.break_even_tau if chain else None}
 
 
 def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> dict:

@@ -11,7 +11,7 @@ goes first, in one process:
   chain T, "ratio"     speculative sampling with the drafter's q;
   tree k=N, T=0        the DDTree of the N most probable drafted prefixes, verified in one forward;
 each chain verifying all B-1 drafted tokens and, when `evaluate` chose fewer (data/metrics/eval.json's
-verify_tokens), that k too.
+chain.verify_tokens), that k too.
 Per mode: tokens per step, the verify forward's cost in decode steps, speedup, and (at T = 0)
 whether every answer equals plain greedy decoding. At T > 0 answers are samples: the test of the
 distribution is tests/test_sampling.py.
@@ -44,7 +44,7 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     checkpoint, drafter, head, model, tap = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.tap
     prompts, eos_ids, feature_dtype = setup.prompts, setup.eos_ids, setup.val_set.manifest.feature_dtype
     metrics = Path("data/metrics/eval.json")
-    chosen_k = read_json(metrics, missing="-").get("verify_tokens") if metrics.is_file() else None
+    chosen_k = (read_json(metrics, missing="-").get("chain") or {}).get("verify_tokens") if metrics.is_file() else None
     block = drafter.config.block_size
 
     lengths = [block - 1] + ([chosen_k] if chosen_k and chosen_k != block - 1 else [])

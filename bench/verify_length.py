@@ -53,8 +53,8 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     print(f"{'verify k':>8} {'tokens/step':>12} {'speedup':>8} {'break-even':>10} {'predicted rate':>14} lossless")
     for k in range(1, block):
         summary = summarize_end_to_end(results, f"k={k}")
-        print(f"{k:8d} {summary['e2e_tau']:12.3f} {summary['speedup']:8.3f} {summary['break_even_tau']:10.3f} {rates[k - 1]:14.3f} "
-              f"{summary['lossless_rate']}")
+        print(f"{k:8d} {summary.tau.mean:12.3f} {summary.speedup:8.3f} {summary.break_even_tau:10.3f} {rates[k - 1]:14.3f} "
+              f"{summary.lossless_rate}")
     print(f"evaluate's rule picks k = {chosen}")
 
 

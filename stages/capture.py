@@ -29,8 +29,7 @@ def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Pat
     offline_by_default()
     from dflash_pipeline.capture import run_capture
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.files import write_json_atomic
-    from dflash_pipeline.report import write_metrics
+    from dflash_pipeline.files import write_json_atomic, write_metrics
     from dflash_pipeline.target.load import TargetInfo
 
     config = load_params(params_path).capture

@@ -29,24 +29,29 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
     """Score every selected checkpoint and baseline; write eval.json, the comparison and plots."""
     offline_by_default()
     from dflash_pipeline.config import load_params
+    from dflash_pipeline.evaluate.report import summary_table, write_outputs
     from dflash_pipeline.evaluate.run import run_evaluate
-    from dflash_pipeline.report import summary_table, write_outputs
     from dflash_pipeline.target.load import TargetInfo
 
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)
     result = run_evaluate(config, target=target, hidden_val_dir=hidden_dir / "val", generated_val=generated_dir / "val.parquet",
                           checkpoints_dir=checkpoints_dir, device=device or default_device(), log=click.echo)
-    metrics = write_outputs(result, out_dir=out_dir, metrics_path=metrics_path, plots_dir=plots_dir, tree_budgets=list(config.tree_budgets))
-    click.echo(summary_table(result))
-    click.echo(f"evaluate: chosen {metrics['chosen']} (teacher-forced tau {metrics['tau']} +- {metrics['tau_ci95']}); "
-               f"end-to-end tau {metrics.get('e2e_tau')}, speedup {metrics.get('speedup')} (break-even tau on this machine "
-               f"{metrics.get('break_even_tau')}), lossless rate {metrics.get('lossless_rate')}")
-    trees = [f"{b}: tau {metrics[f'e2e_tree{b}_tau']}, speedup {metrics[f'tree{b}_speedup']}, verify cost "
-             f"{metrics[f'tree{b}_verify_cost_steps']} steps" for b in config.tree_budgets if f"e2e_tree{b}_tau" in metrics]
-    sampled = [f"{key[len('e2e_tau_'):]}: tau {value}, speedup {metrics[key.replace('e2e_tau_', 'speedup_')]}"
-               for key, value in metrics.items() if key.startswith("e2e_tau_t") and not key.endswith("_ci95")]
-    if trees or sampled:
+    write_outputs(result, out_dir=out_dir, metrics_path=metrics_path, plots_dir=plots_dir)
+    evaluation = result.record
+    click.echo(summary_table(evaluation))
+    chosen = evaluation.chosen_record
+    scored, decoding = chosen.teacher_forced, chosen.decoding
+    line = f"evaluate: chosen {chosen.name} (teacher-forced tau {scored.tau.mean} +- {scored.tau.ci95})"
+    if decoding is not None:
+        chain = decoding.chain
+        line += (f"; end-to-end tau {chain.tau.mean}, speedup {chain.speedup} (break-even tau on this machine {chain.break_even_tau}), "
+                 f"lossless rate {chain.lossless_rate}")
+    click.echo(line)
+    if decoding is not None and (decoding.trees or decoding.sampled):
+        trees = [f"{budget}: tau {run.tau.mean}, speedup {run.speedup}, verify cost {run.verify_cost_steps} steps"
+                 for budget, run in decoding.trees.items()]
+        sampled = [f"T={temperature:g}: tau {run.tau.mean}, speedup {run.speedup}" for temperature, run in decoding.sampled.items()]
         click.echo("evaluate: trees at budget " + "; ".join(trees) + (" | sampled at " + "; ".join(sampled) if sampled else ""))
 
 

@@ -30,7 +30,7 @@ def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path
     from dflash_pipeline.config import load_params
     from dflash_pipeline.generate import run_generate
     from dflash_pipeline.data.prompts import read_prompts
-    from dflash_pipeline.report import write_metrics
+    from dflash_pipeline.files import write_metrics
     from dflash_pipeline.target.load import TargetInfo
 
     config = load_params(params_path).generate

@@ -26,7 +26,7 @@ def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir,
     """Train the drafter; checkpoints go to OUT/step_NNNNNN, metrics and curves beside."""
     offline_by_default()
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.report import write_train_outputs
+    from dflash_pipeline.train.report import write_train_outputs
     from dflash_pipeline.target.load import TargetInfo
     from dflash_pipeline.train.run import run_train
 

@@ -16,10 +16,11 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 LAYERS = [
     ["errors", "files", "tensor_files", "config", "runtime", "devices", "stats", "progress"],
     ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "decoding.sampling", "decoding.trees",
-     "drafters.family", "drafters.core", "drafters.architecture", "drafters.dflash", "drafters.dflash2", "drafters.serving"],
+     "evaluate.record", "drafters.family", "drafters.core", "drafters.architecture", "drafters.dflash", "drafters.dflash2",
+     "drafters.serving"],
     ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "evaluate.scoring", "train.loss"],
     ["generate", "capture", "train.run", "evaluate.run", "export"],
-    ["report"],
+    ["train.report", "evaluate.report"],
     ["cli"],
 ]
 STAGE_MODULES = set(LAYERS[3])
@@ -131,3 +132,15 @@ def test_the_dependency_check_sees_function_level_and_indirect_imports(tmp_path)
     script = tmp_path / "stage.py"
     script.write_text("def main():\n    from dflash_pipeline.drafters.checkpoints import load_checkpoint\n")
     assert closure(script) >= {"drafters.checkpoints", "drafters.core", "errors", "files"}
+
+
+@pytest.mark.parametrize("module, stage", [("evaluate.report", "evaluate"), ("train.report", "train")])
+def test_a_stage_report_is_a_dependency_of_its_own_stage_alone(module, stage):
+    # Editing evaluate's tables or plots (or train's curve) makes that stage stale and no other:
+    # its report module is in that stage's deps alone, and no other stage's script runs it.
+    path = str(module_path(module).relative_to(REPO_ROOT))
+    stages = _stages()
+    listed = {name for name, spec in stages.items() if path in spec["deps"]}
+    runs = {name for name in stages if module in closure(REPO_ROOT / "stages" / f"{name}.py")}
+    assert listed == runs == {stage}, f"{path}: listed in the deps of {sorted(listed)}, run by {sorted(runs)}"
+

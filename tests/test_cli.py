@@ -84,10 +84,10 @@ def assert_one_line_error(result, *fragments: str) -> str:
     return lines[0]
 
 
-def comparable(row: dict) -> dict:
-    """The teacher-forced numbers of one comparison row (not its name, kind, path or timing)."""
-    skip = {"name", "kind", "path", "step", "seconds"}
-    return {key: value for key, value in row.items() if key not in skip}
+def comparable(candidate: dict) -> dict:
+    """The teacher-forced numbers of one candidate of details.json (not its name, kind, path or timing)."""
+    scored = {key: value for key, value in candidate["teacher_forced"].items() if key != "seconds"}
+    return {"teacher_forced": scored, "tree": candidate["tree"], "vs_chosen": candidate["vs_chosen"], "extras": candidate.get("extras")}
 
 
 # ----------------------------------------------------------------------------- help and the entry point
@@ -222,15 +222,15 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     assert any(line.split()[:3] == ["step_000004", "*", "checkpoint"] for line in table), result.stdout
     assert any(line.split()[:2] == ["export", "baseline"] for line in table), result.stdout
 
-    rows = {row["kind"]: row for row in json.loads((out / "comparison.json").read_text())}
+    rows = {row["kind"]: row for row in json.loads((out / "details.json").read_text())["candidates"]}
     ours, baseline = rows["checkpoint"], rows["baseline"]
     assert comparable(ours) == comparable(baseline)
-    assert baseline["tau_vs_best"] == 0 and baseline["tau_vs_best_ci95"] == 0  # paired over prompts: exactly no difference
+    assert baseline["vs_chosen"]["tau"] == 0 and baseline["vs_chosen"]["tau_ci95"] == 0  # paired over prompts: exactly no difference
     assert "export vs step_000004: tau difference +0.0000 +- 0.0000" in result.stderr + result.stdout
     assert "not distinguishable at 95%" in result.stderr + result.stdout
     manifest = json.loads((tiny.val / "manifest.json").read_text())
-    assert ours["blocks"] == manifest["loss_tokens"] - manifest["sequences"]  # --anchors 0: every answer position but the last
-    assert "ddtree8_streak" in ours and "e2e_tau" not in ours  # no --prompts: no end-to-end decoding
+    assert ours["teacher_forced"]["blocks"] == manifest["loss_tokens"] - manifest["sequences"]  # --anchors 0: every answer position but the last
+    assert "streak" in ours["tree"]["8"] and "chain" not in ours  # no --prompts: no end-to-end decoding
     blocks = pd.read_parquet(out / "blocks.parquet")
     by_drafter = {name: frame.drop(columns="drafter").reset_index(drop=True) for name, frame in blocks.groupby("drafter")}
     pd.testing.assert_frame_equal(by_drafter["step_000004"], by_drafter["export"])
@@ -238,7 +238,8 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     best = json.loads((out / "best.json").read_text())
     assert best["name"] == "step_000004" and (out / "eval.json").is_file() and (out / "plots" / "eval_tau.png").is_file()
     metrics = json.loads((out / "eval.json").read_text())
-    assert "tau_vs_best" not in metrics and metrics["baselines"]["export"]["tau_vs_best"] == 0
+    assert "vs_chosen" not in metrics and metrics["baselines"]["export"]["vs_chosen"]["tau"] == 0
+    assert metrics["chosen"] == {"name": "step_000004", "step": 4} and metrics["teacher_forced"]["tau"] == best["tau"]
 
 
 def test_evaluate_with_a_model_folder_target_and_val_prompts_decodes_losslessly(tiny):
@@ -286,7 +287,7 @@ def test_evaluate_takes_checkpoints_from_any_folders(tiny, tmp_path):
     result = invoke("evaluate", tiny.checkpoint, renamed, "--target", tiny.target_json, "--shards", tiny.val, "--anchors", 3,
                     "--e2e-prompts", 0, "--out", tmp_path / "eval", "--device", "cpu")
     assert result.exit_code == 0, result.output
-    rows = json.loads((tmp_path / "eval" / "comparison.json").read_text())
+    rows = json.loads((tmp_path / "eval" / "details.json").read_text())["candidates"]
     assert [row["kind"] for row in rows] == ["checkpoint", "checkpoint"] and rows[0]["name"] != rows[1]["name"]
     assert comparable(rows[0]) == comparable(rows[1])
 

@@ -21,6 +21,7 @@ from dflash_pipeline.decoding.engine import (
     summarize_end_to_end,
     verified_prefix,
 )
+from dflash_pipeline.evaluate.record import Mismatch
 from dflash_pipeline.evaluate.run import check_drafter_contract, select_checkpoints, val_prompts
 from dflash_pipeline.evaluate.scoring import (
     BlockScores,
@@ -200,7 +201,7 @@ def test_paired_difference_cancels_the_spread_between_prompts():
     mean, half, prompts = paired_difference(ours, theirs)
     assert prompts == 4 and mean == pytest.approx(0.375)
     assert half == pytest.approx(1.96 * 0.25 / 2)  # sd of (.5, .5, .5, 0) is .25
-    own_half = summarize_blocks(ours)["tau_ci95"]
+    own_half = summarize_blocks(ours).tau.ci95
     assert own_half > 1.5 and half < 0.25  # each drafter's own interval would never separate them
     assert comparison_verdict("ours", "theirs", mean, half, prompts) == (
         "ours vs theirs: tau difference +0.3750 +- 0.2450 (paired over 4 prompts): ours is better")
@@ -230,11 +231,15 @@ def test_means_and_confidence_intervals_are_over_prompts_and_categories():
     per_prompt = [2.0, 1.0, 4.0]
     mean = sum(per_prompt) / 3
     sd = math.sqrt(sum((t - mean) ** 2 for t in per_prompt) / 2)
-    assert summary["tau"] == pytest.approx(round(mean, 4)) and summary["tau_ci95"] == pytest.approx(round(1.96 * sd / math.sqrt(3), 4))
-    assert summary["tau_per_block"] == pytest.approx(round((3 + 1 + 1 + 4 + 4 + 4) / 6, 4))
-    assert summary["tau_code"] == pytest.approx(3.0) and summary["tau_math"] == pytest.approx(1.0)
-    assert summary["ddtree8_streak"] == pytest.approx(round((1.0 + 0.0 + 7 / 3) / 3, 4))
-    assert summary["blocks"] == 6 and summary["prompts"] == 3
+    assert summary.tau.mean == round(mean, 4) and summary.tau.ci95 == round(1.96 * sd / math.sqrt(3), 4)
+    assert summary.tau_per_block == round((3 + 1 + 1 + 4 + 4 + 4) / 6, 4)
+    assert summary.categories["code"].mean == pytest.approx(3.0) and summary.categories["math"].mean == pytest.approx(1.0)
+    assert summary.ddtree_streak[8].mean == round((1.0 + 0.0 + 7 / 3) / 3, 4)
+    assert summary.blocks == 6 and summary.prompts == 3 and summary.extras == {}  # DFlash: no architecture extras
+    # per slot, unconditional (4, 5 and 4 of 6 blocks) and given the earlier slots (slot 2 reached by 4 blocks, all right;
+    # slot 3 by the same 4, of which 3 right)
+    assert summary.slot_acceptance == [round(4 / 6, 4), round(5 / 6, 4), round(4 / 6, 4)]
+    assert summary.slot_acceptance_conditional == [round(4 / 6, 4), 1.0, 0.75]
 
 
 # ----------------------------------------------------------------------------- batched scoring
@@ -314,9 +319,10 @@ def test_dflash2_scores_the_selector_walk_batched_as_one_block_at_a_time():
     assert not np.array_equal(batched.correct, argmax_correct)  # the walk is not each slot's argmax
     assert (in_top_k >= batched.correct).all() and (in_top_k >= argmax_correct).all()
     summary = summarize_blocks(batched)
-    assert summary["tau_oracle"] >= max(summary["tau"], summary["tau_argmax"])
-    assert summary["tau_selector_gain"] == pytest.approx(summary["tau"] - summary["tau_argmax"], abs=1e-3)
-    assert 0 < summary["slot1_topk_recall"] < 1 and {"slot2_topk_recall", "slot3_topk_recall"} <= set(summary)
+    extras = summary.extras  # DFlash2's own figures, by name
+    assert extras["tau_oracle"] >= max(summary.tau.mean, extras["tau_argmax"])
+    assert extras["tau_selector_gain"] == pytest.approx(summary.tau.mean - extras["tau_argmax"], abs=1e-3)
+    assert 0 < extras["slot1_topk_recall"] < 1 and {"slot2_topk_recall", "slot3_topk_recall"} <= set(extras)
 
 
 def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
@@ -406,10 +412,13 @@ def test_end_to_end_summary_reports_mismatch_position_and_break_even():
     differs = DecodeRun(tokens=[5, 6, 1, 8, 9], seconds=0.6, prefill_seconds=0.2, steps=[2, 3], verify_seconds=0.3, draft_seconds=0.1)
     results = [EndToEndPrompt("p-ok", plain, {"d": same}), EndToEndPrompt("p-bad", plain, {"d": differs})]
     summary = summarize_end_to_end(results, "d")
-    assert summary["lossless_rate"] == 0.5 and summary["mismatches"] == ["p-bad at answer token 2"]
-    assert summary["e2e_tau"] == pytest.approx(2.5) and summary["speedup"] == pytest.approx(1.0 / 0.6, rel=1e-3)
+    assert summary.lossless_rate == 0.5 and summary.mismatches == [Mismatch(prompt_id="p-bad", position=2, near_tie=False)]
+    assert summary.tau.mean == pytest.approx(2.5) and summary.speedup == pytest.approx(1.0 / 0.6, rel=1e-3)
     # a speculative step costs (0.3 + 0.1) / 2 = 0.2 s, a plain decode step 0.2 s: break-even at tau 1
-    assert summary["break_even_tau"] == pytest.approx(1.0) and summary["verify_cost_steps"] == pytest.approx(0.75)
+    assert summary.break_even_tau == pytest.approx(1.0) and summary.verify_cost_steps == pytest.approx(0.75)
+    # the same parting at a near-tie of the target is flagged as such, not found in a string
+    tie = summarize_end_to_end([results[0], replace(results[1], near_ties={"d": True})], "d")
+    assert tie.mismatches == [Mismatch(prompt_id="p-bad", position=2, near_tie=True)] and tie.near_tie_mismatches == 1
 
 
 def test_end_to_end_prompts_are_taken_round_robin_over_categories(tmp_path):

@@ -59,7 +59,7 @@ def test_two_queued_experiments_run_and_both_show_params_and_metrics(tiny_pipeli
         assert data["params"]["params.yaml"]["data"]["train"]["lr"] == float(lr)
         train_metrics = data["metrics"]["data/metrics/train.json"]["data"]
         eval_metrics = data["metrics"]["data/metrics/eval.json"]["data"]
-        assert eval_metrics["lossless_rate"] == 1.0 and eval_metrics["tau"] >= 1.0
+        assert eval_metrics["chain"]["lossless_rate"] == 1.0 and eval_metrics["teacher_forced"]["tau"] >= 1.0
         losses[name] = train_metrics["loss"]
     # Each point trained with its own learning rate: two distinct losses, both unlike the baseline's.
     assert len({baseline_loss, *losses.values()}) == 3, (baseline_loss, losses)

@@ -156,8 +156,8 @@ def comma_separated(kind: type, minimum: float, example: str):
 @click.option("--seed", type=int, default=DEFAULTS.seed, show_default=True,
               help="Seed of the anchor draw (the same anchors for every drafter).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Also write the evaluate stage's outputs here (comparison.csv/json, blocks.parquet, e2e.json, best.json, "
-                   "eval.json, plots/).")
+              help="Also write the evaluate stage's outputs here (eval.json, details.json, comparison.csv, blocks.parquet, "
+                   "e2e.json, best.json, plots/).")
 @click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
 @one_line_errors
 def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budgets, temperatures, e2e_prompts, max_new_tokens,
@@ -175,8 +175,8 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
           --target data/target/target.json --shards data/hidden/val \\
           --prompts data/generated/val.parquet --e2e-prompts 4 --out /tmp/eval-900
     """
+    from dflash_pipeline.evaluate.report import summary_table, write_outputs
     from dflash_pipeline.evaluate.run import run_evaluate
-    from dflash_pipeline.report import summary_table, write_outputs
 
     kinds = {folder: folder_kind(folder) for folder in drafters}
     for folder, kind in kinds.items():
@@ -193,10 +193,9 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
     result = run_evaluate(config, target=target_info(target_path), hidden_val_dir=split, generated_val=generated_val(prompts_path),
                           checkpoint_folders=checkpoints, baseline_dirs=baselines, device=device or default_device(), log=click.echo)
     if out_dir is not None:
-        write_outputs(result, out_dir=out_dir, metrics_path=out_dir / "eval.json", plots_dir=out_dir / "plots",
-                      tree_budgets=list(config.tree_budgets))
+        write_outputs(result, out_dir=out_dir, metrics_path=out_dir / "eval.json", plots_dir=out_dir / "plots")
         click.echo(f"evaluate: wrote {out_dir}")
-    click.echo(summary_table(result))
+    click.echo(summary_table(result.record))
 
 
 # ----------------------------------------------------------------------------- verify-shards
@@ -218,9 +217,9 @@ def compare_runs(run_a, run_b):
     from dflash_pipeline.evaluate.run import compare_eval_runs
 
     result = compare_eval_runs(run_a, run_b)
-    blocks = "the same val blocks" if result["same_blocks"] else "different val blocks (the runs' answers differ)"
-    click.echo(f"tau {result['tau_a']:.4f} vs {result['tau_b']:.4f} on {blocks}")
-    click.echo(result["verdict"])
+    blocks = "the same val blocks" if result.same_blocks else "different val blocks (the runs' answers differ)"
+    click.echo(f"tau {result.tau_a:.4f} vs {result.tau_b:.4f} on {blocks}")
+    click.echo(result.verdict)
 
 
 @main.command("verify-shards", short_help="Verify a shard split folder against its manifest.")

@@ -1,9 +1,18 @@
-"""Small file helpers every stage shares: atomic writes (a file appears whole or not at all) and
-content hashing. A killed stage leaves at most a `*.tmp` file behind, never a half-written output."""
+"""Small file helpers every stage shares: atomic writes (a file appears whole or not at all),
+content hashing, strict-JSON metrics files and figures. A killed stage leaves at most a `*.tmp`
+file behind, never a half-written output.
+
+Metrics files are strict JSON: a value that is not a finite number (a slot no block reached, the
+interval of a single prompt) is written as null, never as NaN or Infinity, which strict readers
+(DVC's metrics diff among them in some versions, jq, JavaScript) reject. Figures are drawn with
+matplotlib's Agg backend, so plots need no browser and no network.
+"""
 
 import contextlib
 import hashlib
 import json
+import math
+import numbers
 import os
 import shutil
 from pathlib import Path
@@ -83,3 +92,46 @@ def format_bytes(count: float) -> str:
             return f"{count:.1f} {unit}"
         count /= 1024
     return f"{count:.1f} TB"
+
+
+def strict_json(value):
+    """`value` with every NaN or infinite number replaced by None (JSON null) and numpy scalars by
+    Python numbers, recursively through dicts, lists and tuples."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def write_metrics(path: Path, metrics) -> None:
+    """A metrics JSON file (strict JSON, atomic, sorted keys), its folder created if needed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, strict_json(metrics))
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: Path) -> None:
+    """Lay out, write atomically (the format from the suffix) and close a matplotlib figure."""
+    plt = pyplot()
+    figure.tight_layout()
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, dpi=110)
+    plt.close(figure)

@@ -7,7 +7,8 @@
     verify_tree         one forward over every node of a draft tree under the tree mask, the
                         target's KV cache kept to exactly the accepted path
     end_to_end          both on the same prompts, alternating which goes first, and
-    summarize_end_to_end lossless rate, τ per step, speedup, time split and break-even τ
+    summarize_end_to_end lossless rate, τ per step, speedup, time split and break-even τ (a typed
+                        `evaluate.record.EndToEnd`)
 
 At T = 0 speculative decoding is lossless by construction; `summarize_end_to_end` checks it token
 for token against `greedy_decode` rather than trusting it.
@@ -21,6 +22,7 @@ import torch
 
 from dflash_pipeline.devices import autocast, synchronize, timed
 from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, Proposal
+from dflash_pipeline.evaluate.record import EndToEnd, Interval, Mismatch, TimeSplit
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.decoding.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.stats import mean_ci95
@@ -390,16 +392,17 @@ def end_to_end(model, tap, candidates: list[tuple[str, DFlashDrafter, object]], 
     return results
 
 
-def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
+def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> EndToEnd:
     """Lossless rate, tau per step, tokens/s, speedup, time split and break-even tau of one drafter.
 
-    `lossless_rate` counts prompts whose answer equals plain greedy decoding token for token;
-    `near_tie_mismatches` says how many of the others part from it at a near-tie of the target.
+    `lossless_rate` counts prompts whose answer equals plain greedy decoding token for token; each
+    other prompt is a `Mismatch` at its first differing answer token, flagged when it parts from
+    plain decoding at a near-tie of the target (`is_near_tie`: rounding, not a defect).
 
     Break-even tau = (cost of one speculative step) / (cost of one plain decode step), both
     measured here: a drafter whose tau is below it makes decoding slower on this machine.
     """
-    mismatches, near_ties = [], 0
+    mismatches = []
     per_prompt_tau, plain_tokens, plain_seconds, spec_tokens, spec_seconds = [], 0, 0.0, 0, 0.0
     plain_decode_seconds, plain_decode_tokens = 0.0, 0
     steps = verify = draft = overhead = prefill = 0.0
@@ -408,9 +411,7 @@ def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
         run, plain = result.speculative[name], result.plain
         difference = first_difference(run.tokens, plain.tokens)
         if difference is not None:
-            tie = result.near_ties.get(name, False)
-            near_ties += tie
-            mismatches.append(f"{result.prompt_id} at answer token {difference}" + (", a near-tie of the target's logits" if tie else ""))
+            mismatches.append(Mismatch(prompt_id=result.prompt_id, position=difference, near_tie=bool(result.near_ties.get(name, False))))
         per_prompt_tau.append(float(np.mean(run.steps)) if run.steps else 1.0)
         plain_tokens += len(plain.tokens)
         plain_seconds += plain.seconds
@@ -429,23 +430,20 @@ def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> dict:
     decode_step = plain_decode_seconds / max(1, plain_decode_tokens)
     per_step = (verify + draft + overhead) / max(1.0, steps)
     plain_rate, spec_rate = plain_tokens / max(plain_seconds, 1e-9), spec_tokens / max(spec_seconds, 1e-9)
-    return {
-        "e2e_prompts": len(results),
-        "lossless_rate": round(1.0 - len(mismatches) / max(1, len(results)), 4),
-        "mismatches": mismatches,
-        "near_tie_mismatches": near_ties,  # of those, parting at a near-tie (`is_near_tie`): rounding, not a defect
-        "e2e_tau": round(tau, 4),
-        "e2e_tau_ci95": round(ci, 4),
-        "acceptance_rate": round(accepted / max(1, drafted), 4),  # of the drafted tokens (tree nodes) verified
-        "plain_tokens_per_s": round(plain_rate, 2),
-        "spec_tokens_per_s": round(spec_rate, 2),
-        "speedup": round(spec_rate / plain_rate, 4) if plain_rate > 0 else None,
-        "decode_step_ms": round(1000 * decode_step, 3),
-        "verify_cost_steps": round(verify / max(1.0, steps) / decode_step, 3) if decode_step > 0 else None,
-        "draft_cost_steps": round(draft / max(1.0, steps) / decode_step, 3) if decode_step > 0 else None,
-        "break_even_tau": round(per_step / decode_step, 3) if decode_step > 0 else None,
-        "time_prefill": round(prefill / max(spec_seconds, 1e-9), 4),
-        "time_verify": round(verify / max(spec_seconds, 1e-9), 4),
-        "time_draft": round(draft / max(spec_seconds, 1e-9), 4),
-        "time_overhead": round(overhead / max(spec_seconds, 1e-9), 4),
-    }
+    spent = max(spec_seconds, 1e-9)
+    return EndToEnd(
+        prompts=len(results),
+        tau=Interval(round(tau, 4), round(ci, 4)),
+        speedup=round(spec_rate / plain_rate, 4) if plain_rate > 0 else None,
+        lossless_rate=round(1.0 - len(mismatches) / max(1, len(results)), 4),
+        mismatches=mismatches,
+        acceptance_rate=round(accepted / max(1, drafted), 4),  # of the drafted tokens (tree nodes) verified
+        plain_tokens_per_s=round(plain_rate, 2),
+        spec_tokens_per_s=round(spec_rate, 2),
+        decode_step_ms=round(1000 * decode_step, 3),
+        verify_cost_steps=round(verify / max(1.0, steps) / decode_step, 3) if decode_step > 0 else None,
+        draft_cost_steps=round(draft / max(1.0, steps) / decode_step, 3) if decode_step > 0 else None,
+        break_even_tau=round(per_step / decode_step, 3) if decode_step > 0 else None,
+        time=TimeSplit(prefill=round(prefill / spent, 4), verify=round(verify / spent, 4), draft=round(draft / spent, 4),
+                       overhead=round(overhead / spent, 4)),
+    )

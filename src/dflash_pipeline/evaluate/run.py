@@ -12,11 +12,12 @@ Two measurements (definitions in `scoring` and `engine`, and in the README):
    time split and the break-even τ of this machine.
 
 The best checkpoint is the one with the highest teacher-forced τ (not the lowest loss). This
-module picks and checks the candidates and runs the two measurements; `report` writes the files.
+module picks and checks the candidates and runs the two measurements into the typed record
+(`record.Evaluation`); `evaluate.report` writes the files.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoi
 from dflash_pipeline.devices import autocast, bf16_by_default
 from dflash_pipeline.decoding.engine import (
     EndToEndPrompt,
+    VerifyPlan,
     drafter_proposer,
     end_to_end,
     measure_forward_costs,
@@ -36,6 +38,7 @@ from dflash_pipeline.decoding.engine import (
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.evaluate.record import CandidateRecord, Decoding, Evaluation, Paired
 from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.data.shards import open_split
@@ -132,10 +135,10 @@ def load_candidates(*, checkpoint_folders: list[Path], baseline_dirs: list[Path]
     return candidates
 
 
-def choose_best(rows: list[dict]) -> dict:
+def choose_best(candidates: list[CandidateRecord]) -> CandidateRecord:
     """The checkpoint with the highest teacher-forced tau (the later step on a tie)."""
-    checkpoints = [row for row in rows if row["kind"] == "checkpoint"]
-    return max(checkpoints, key=lambda row: (row["tau"], row["step"]))
+    checkpoints = [candidate for candidate in candidates if candidate.kind == "checkpoint"]
+    return max(checkpoints, key=lambda candidate: (candidate.teacher_forced.tau.mean, candidate.step))
 
 
 def val_prompts(generated_val: Path, count: int) -> list[tuple[str, list[int]]]:
@@ -158,62 +161,68 @@ def val_prompts(generated_val: Path, count: int) -> list[tuple[str, list[int]]]:
 
 @dataclass
 class EvaluationResult:
-    """Everything the evaluate stage measured; `report` turns it into files."""
+    """Everything the evaluate stage measured: the typed record, and the raw material of the
+    per-block and per-prompt files (`evaluate.report` turns both into files)."""
 
-    rows: list[dict]  # one flat summary per drafter (teacher-forced, and end-to-end where run)
-    best: dict  # the chosen row
+    record: Evaluation
     blocks: dict[str, BlockScores]  # drafter name -> per-block scores
     categories: list[str]  # category of each val sequence
     prompt_ids: list[str] = field(default_factory=list)  # prompt id of each val sequence (pairs blocks across runs)
-    e2e: dict[str, dict] = field(default_factory=dict)  # drafter name -> end-to-end summary
     e2e_results: list[EndToEndPrompt] = field(default_factory=list)
-    teacher_forced_seconds: float = 0.0
     layer_ids: list[int] = field(default_factory=list)
 
 
 def score_candidates(candidates: list[Candidate], head, val_set, categories: list[str], config, *, device: str, log=print
-                     ) -> tuple[list[dict], dict[str, BlockScores]]:
-    """Teacher-forced summary row and block scores of every candidate."""
-    rows, blocks = [], {}
+                     ) -> tuple[list[CandidateRecord], dict[str, BlockScores]]:
+    """The teacher-forced record and block scores of every candidate."""
+    records, blocks = [], {}
     for candidate in candidates:
         began = time.perf_counter()
         with autocast(device):
             scores = score_teacher_forced(candidate.drafter, head, val_set, anchors_per_sequence=config.anchors_per_sequence,
                                           tokens_per_batch=config.tokens_per_batch, tree_budgets=list(config.tree_budgets),
                                           seed=config.seed, progress=True)
-        summary = summarize_blocks(scores, categories)
-        summary.update(name=candidate.name, kind=candidate.kind, step=candidate.step, path=str(candidate.path),
-                       block_size=candidate.drafter.config.block_size, num_layers=candidate.drafter.config.num_layers,
-                       seconds=round(time.perf_counter() - began, 2))
-        rows.append(summary)
+        scored = replace(summarize_blocks(scores, categories), seconds=round(time.perf_counter() - began, 2))
+        records.append(CandidateRecord(name=candidate.name, kind=candidate.kind, path=str(candidate.path), step=candidate.step,
+                                       block_size=candidate.drafter.config.block_size, num_layers=candidate.drafter.config.num_layers,
+                                       teacher_forced=scored))
         blocks[candidate.name] = scores
-        log(f"evaluate: {candidate.name}: tau {summary['tau']:.3f} +- {summary['tau_ci95']:.3f} over {summary['blocks']} blocks "
-            f"of {summary['prompts']} prompts ({summary['seconds']:.1f} s)")
-    return rows, blocks
+        log(f"evaluate: {candidate.name}: tau {scored.tau.mean:.3f} +- {scored.tau.ci95:.3f} over {scored.blocks} blocks "
+            f"of {scored.prompts} prompts ({scored.seconds:.1f} s)")
+    return records, blocks
 
 
-def temperature_suffix(temperature: float) -> str:
-    """The key suffix of a sampling temperature: 1.0 -> "t1", 0.6 -> "t0_6"."""
-    return "t" + f"{temperature:g}".replace(".", "_")
+def choose_and_pair(records: list[CandidateRecord], blocks: dict[str, BlockScores], *, teacher_forced_seconds: float) -> Evaluation:
+    """The evaluation of scored candidates: the chosen checkpoint (`choose_best`; the first
+    candidate when only baselines were scored) and each candidate's τ difference to it, paired
+    over prompts (`scoring.paired_difference`)."""
+    chosen = choose_best(records).name if any(r.kind == "checkpoint" for r in records) else records[0].name
+    paired = []
+    for record in records:
+        mean, half, prompts = paired_difference(blocks[record.name], blocks[chosen])
+        paired.append(replace(record, vs_chosen=Paired(round(mean, 4), round(half, 4), prompts)))
+    return Evaluation(candidates=paired, chosen=chosen, teacher_forced_seconds=teacher_forced_seconds)
 
 
-def tree_keys(summary: dict, budget: int) -> dict:
-    """The flat keys of tree decoding at one node budget."""
-    return {f"e2e_tree{budget}_tau": summary["e2e_tau"], f"e2e_tree{budget}_tau_ci95": summary["e2e_tau_ci95"],
-            f"tree{budget}_speedup": summary["speedup"], f"tree{budget}_verify_cost_steps": summary["verify_cost_steps"],
-            f"tree{budget}_lossless_rate": summary["lossless_rate"], f"tree{budget}_near_tie_mismatches": summary["near_tie_mismatches"]}
-
-
-def temperature_keys(summary: dict, temperature: float) -> dict:
-    """The flat keys of sampled chain decoding at one temperature (no lossless check: samples part by design)."""
-    suffix = temperature_suffix(temperature)
-    return {f"e2e_tau_{suffix}": summary["e2e_tau"], f"e2e_tau_{suffix}_ci95": summary["e2e_tau_ci95"],
-            f"speedup_{suffix}": summary["speedup"], f"acceptance_{suffix}": summary["acceptance_rate"]}
+def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[float, list[EndToEndPrompt]], *, tree_budgets: list[int],
+                       verify_tokens: int, plan: VerifyPlan | None = None) -> Decoding:
+    """One drafter's end-to-end record from the runs of `decode_end_to_end`: its greedy chain
+    (`name`, verifying `verify_tokens` per step, as `plan` chose when it did), its greedy trees
+    (`name/tree<budget>`) and its sampled chains (`name` in `sampled[temperature]`; samples part
+    from plain sampling by design, so they carry no lossless check)."""
+    chain = replace(summarize_end_to_end(greedy, name), verify_tokens=verify_tokens)
+    if plan is not None:
+        figures = plan.as_dict()
+        chain = replace(chain, forward_cost_steps=figures["forward_cost_steps"],
+                        expected_tokens_per_step_cost=figures["expected_tokens_per_step_cost"])
+    return Decoding(chain=chain, trees={budget: summarize_end_to_end(greedy, f"{name}/tree{budget}") for budget in tree_budgets},
+                    sampled={temperature: replace(summarize_end_to_end(runs, name), lossless_rate=None, mismatches=[])
+                             for temperature, runs in sorted(sampled.items())})
 
 
 def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, target, layer_ids: list[int], feature_dtype: str,
                       generated_val: Path, config, device: str, acceptance: dict[str, list[float]] | None = None
-                      ) -> tuple[dict[str, dict], list[EndToEndPrompt]]:
+                      ) -> tuple[dict[str, Decoding], list[EndToEndPrompt]]:
     """Speculative decoding with each named drafter against plain decoding, on the real target:
     greedy chains, greedy DDTrees at every `config.tree_budgets` (lossless both), and sampled
     chains at every T > 0 of `config.temperatures` under `config.sampling_rule`.
@@ -233,12 +242,11 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         for name in names:
             drafter = by_name[name].drafter
             plans[name] = plan_verify_tokens(model, tap, drafter, drafter_proposer(drafter, head), prompts[0][1], acceptance[name],
-                                             eos_ids=eos_ids, feature_dtype=feature_dtype, costs=costs).as_dict()
-            verify_tokens[name] = plans[name]["verify_tokens"]
+                                             eos_ids=eos_ids, feature_dtype=feature_dtype, costs=costs)
+            verify_tokens[name] = plans[name].tokens
     for name in names:
         block = by_name[name].drafter.config.block_size
         verify_tokens.setdefault(name, min(config.verify_tokens or block - 1, block - 1))
-        plans.setdefault(name, {"verify_tokens": verify_tokens[name]})
 
     def chains(sampling=None):
         return [(name, by_name[name].drafter, verified_prefix(drafter_proposer(by_name[name].drafter, head, sampling), verify_tokens[name]))
@@ -248,19 +256,13 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
              for name in names for budget in config.tree_budgets]
     common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, feature_dtype=feature_dtype, progress=True)
     results = end_to_end(model, tap, chains() + trees, prompts, **common)
-    summaries = {name: {**summarize_end_to_end(results, name), **plans[name]} for name in names}
-    for name in names:
-        for budget in config.tree_budgets:
-            tree = summarize_end_to_end(results, f"{name}/tree{budget}")
-            summaries[name].update(tree_keys(tree, budget))
-            summaries[name]["mismatches"] += [f"{mismatch} (tree {budget})" for mismatch in tree["mismatches"]]
+    sampled = {}
     for temperature in [t for t in config.temperatures if t > 0]:
         sampling = Sampling(temperature, rule=config.sampling_rule, seed=config.seed)
-        sampled = end_to_end(model, tap, chains(sampling), prompts, sampling=sampling, **common)
-        for name in names:
-            summaries[name].update(temperature_keys(summarize_end_to_end(sampled, name), temperature))
+        sampled[temperature] = end_to_end(model, tap, chains(sampling), prompts, sampling=sampling, **common)
     tap.remove()
-    return summaries, results
+    return {name: summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
+                                     plan=plans.get(name)) for name in names}, results
 
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
@@ -286,38 +288,47 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
     categories = sequence_categories(val_set, generated_val)
 
     started = time.perf_counter()
-    rows, blocks = score_candidates(candidates, head, val_set, categories, config, device=device, log=log)
-    result = EvaluationResult(rows=rows, best=rows[0], blocks=blocks, categories=categories, layer_ids=manifest.layer_ids,
-                              prompt_ids=[val_set[index].sequence_id for index in range(len(val_set))],
-                              teacher_forced_seconds=round(time.perf_counter() - started, 2))
-    if any(row["kind"] == "checkpoint" for row in rows):
-        result.best = choose_best(rows)
-    best = result.best
-    for row in rows:
-        mean, half, prompts = paired_difference(blocks[row["name"]], blocks[best["name"]])
-        row.update(tau_vs_best=round(mean, 4), tau_vs_best_ci95=round(half, 4))
-        if row["kind"] == "baseline":
-            log(f"evaluate: {comparison_verdict(row['name'], best['name'], mean, half, prompts)}")
+    records, blocks = score_candidates(candidates, head, val_set, categories, config, device=device, log=log)
+    evaluation = choose_and_pair(records, blocks, teacher_forced_seconds=round(time.perf_counter() - started, 2))
+    for baseline in evaluation.baselines:
+        paired = baseline.vs_chosen
+        log(f"evaluate: {comparison_verdict(baseline.name, evaluation.chosen, paired.mean, paired.ci95, paired.prompts)}")
+    result = EvaluationResult(record=evaluation, blocks=blocks, categories=categories, layer_ids=manifest.layer_ids,
+                              prompt_ids=[val_set[index].sequence_id for index in range(len(val_set))])
     if config.num_prompts > 0 and generated_val is not None:
-        names = [best["name"]] + [row["name"] for row in rows if row["kind"] == "baseline" and row["name"] != best["name"]]
-        acceptance = {row["name"]: [row[f"slot{k}_acc_cond"] for k in range(1, row["block_size"])] for row in rows}
-        result.e2e, result.e2e_results = decode_end_to_end(names, candidates, head, target=target, layer_ids=manifest.layer_ids,
-                                                           feature_dtype=manifest.feature_dtype, generated_val=generated_val,
-                                                           config=config, device=device, acceptance=acceptance)
-        for row in rows:
-            if row["name"] in result.e2e:
-                row.update({k: v for k, v in result.e2e[row["name"]].items() if k != "mismatches"})
-        for name, summary in result.e2e.items():
-            for mismatch in summary["mismatches"]:
-                verdict = "differs at a near-tie (rounding, see engine.is_near_tie)" if "near-tie" in mismatch else "NOT LOSSLESS"
-                log(f"evaluate: {verdict}: {name} differs from plain greedy decoding on prompt {mismatch}")
+        names = [evaluation.chosen] + [b.name for b in evaluation.baselines if b.name != evaluation.chosen]
+        acceptance = {c.name: c.teacher_forced.slot_acceptance_conditional for c in evaluation.candidates}
+        decodings, result.e2e_results = decode_end_to_end(names, candidates, head, target=target, layer_ids=manifest.layer_ids,
+                                                          feature_dtype=manifest.feature_dtype, generated_val=generated_val,
+                                                          config=config, device=device, acceptance=acceptance)
+        result.record = replace(evaluation, candidates=[replace(c, decoding=decodings.get(c.name, c.decoding)) for c in evaluation.candidates])
+        for name, decoding in decodings.items():
+            modes = [("", decoding.chain)] + [(f" (tree {budget})", tree) for budget, tree in decoding.trees.items()]
+            for mode, run in modes:
+                for mismatch in run.mismatches:
+                    verdict = "differs at a near-tie (rounding, see engine.is_near_tie)" if mismatch.near_tie else "NOT LOSSLESS"
+                    log(f"evaluate: {verdict}: {name}{mode} differs from plain greedy decoding on prompt {mismatch.prompt_id} "
+                        f"at answer token {mismatch.position}")
     return result
 
 
 # ----------------------------------------------------------------------------- two runs
 
 
-def compare_eval_runs(run_a: Path, run_b: Path) -> dict:
+@dataclass(frozen=True)
+class RunComparison:
+    """The chosen drafters of two evaluate outputs, paired over the prompts both scored."""
+
+    tau_a: float
+    tau_b: float
+    difference: float  # τ of run a minus τ of run b
+    ci95: float
+    prompts: int
+    same_blocks: bool  # both scored the very same blocks (their greedy answers agree)
+    verdict: str
+
+
+def compare_eval_runs(run_a: Path, run_b: Path) -> RunComparison:
     """The chosen drafters of two `evaluate` outputs (their `data/eval` folders), paired by prompt.
 
     Two runs of the pipeline (another machine, another CPU) score their own chosen drafter on
@@ -347,5 +358,5 @@ def compare_eval_runs(run_a: Path, run_b: Path) -> dict:
                    and (a["anchor"].to_numpy() == b["anchor"].to_numpy()).all())
     label_a, label_b = f"{run_a} ({name_a})", f"{run_b} ({name_b})"
     tau_a, tau_b = (mean_ci95_over_prompts(side["tau"].to_numpy(), side["prompt_id"].to_numpy())[0] for side in (a, b))
-    return {"tau_a": tau_a, "tau_b": tau_b, "difference": mean, "ci95": half, "prompts": prompts,
-            "same_blocks": bool(same_blocks), "verdict": comparison_verdict(label_a, label_b, mean, half, prompts)}
+    return RunComparison(tau_a=tau_a, tau_b=tau_b, difference=mean, ci95=half, prompts=prompts, same_blocks=bool(same_blocks),
+                         verdict=comparison_verdict(label_a, label_b, mean, half, prompts))

@@ -26,6 +26,7 @@ import torch
 
 from dflash_pipeline.data.blocks import build_batch, draw_anchors, scoring_anchor_seed, valid_anchors
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.evaluate.record import Interval, TeacherForced
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block
 from dflash_pipeline.progress import progress_iter
@@ -338,29 +339,31 @@ def per_slot_acceptance(scores: BlockScores) -> tuple[list[float], list[float]]:
     return unconditional, conditional
 
 
-def summarize_blocks(scores: BlockScores, categories: list[str] | None = None) -> dict:
-    """Flat metrics of one drafter: means over prompts (each prompt's blocks averaged first)."""
-    tau, ci = mean_ci95_over_prompts(scores.tau, scores.sequence)
+def summarize_blocks(scores: BlockScores, categories: list[str] | None = None) -> TeacherForced:
+    """The teacher-forced section of one drafter's record: means over prompts (each prompt's blocks
+    averaged first), rounded to 4 places; per category of `categories` (of each val sequence) when given."""
+    def over_prompts(values: np.ndarray, sequence: np.ndarray) -> Interval:
+        mean, half = mean_ci95_over_prompts(values, sequence)
+        return Interval(round(mean, 4), round(half, 4))
+
     unconditional, conditional = per_slot_acceptance(scores)
-    summary = {"tau": round(tau, 4), "tau_ci95": round(ci, 4), "blocks": int(scores.tau.shape[0]),
-               "prompts": int(np.unique(scores.sequence).shape[0]), "tau_per_block": round(float(scores.tau.mean()), 4)}
-    for budget, streak in sorted(scores.streaks.items()):
-        mean, half = mean_ci95_over_prompts(streak, scores.sequence)
-        summary[f"ddtree{budget}_streak"] = round(mean, 4)
-        summary[f"ddtree{budget}_streak_ci95"] = round(half, 4)
-    for k, (u, c) in enumerate(zip(unconditional, conditional)):
-        summary[f"slot{k + 1}_acc"] = round(u, 4)
-        summary[f"slot{k + 1}_acc_cond"] = round(c, 4)
-    if scores.extras:  # the architecture's own metrics (DFlash2: what the selector buys over each slot's argmax)
-        summary.update(family.architecture(scores.architecture).summarize_extras(scores))
+    by_category = {}
     if categories is not None:
         labels = np.array([categories[s] for s in scores.sequence])
         for category in sorted(set(labels.tolist())):
             chosen = labels == category
-            mean, half = mean_ci95_over_prompts(scores.tau[chosen], scores.sequence[chosen])
-            summary[f"tau_{category}"] = round(mean, 4)
-            summary[f"tau_{category}_ci95"] = round(half, 4)
-    return summary
+            by_category[category] = over_prompts(scores.tau[chosen], scores.sequence[chosen])
+    return TeacherForced(tau=over_prompts(scores.tau, scores.sequence), blocks=int(scores.tau.shape[0]),
+                         prompts=int(np.unique(scores.sequence).shape[0]), tau_per_block=round(float(scores.tau.mean()), 4),
+                         slot_acceptance=[round(u, 4) for u in unconditional], slot_acceptance_conditional=[round(c, 4) for c in conditional],
+                         ddtree_streak={budget: over_prompts(streak, scores.sequence) for budget, streak in sorted(scores.streaks.items())},
+                         categories=by_category, extras=_architecture_extras(scores))
+
+
+def _architecture_extras(scores: BlockScores) -> dict[str, float]:
+    """The drafter architecture's own teacher-forced figures, by name (the record's `extras`;
+    DFlash2: what its selector buys over each slot's own argmax), from its `summarize_extras`."""
+    return family.architecture(scores.architecture).summarize_extras(scores) if scores.extras else {}
 
 
 def paired_difference(scores: BlockScores, reference: BlockScores) -> tuple[float, float, int]:

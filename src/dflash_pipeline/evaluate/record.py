@@ -1,0 +1,151 @@
+"""The typed evaluation record: what the evaluate stage measured, kept as dataclasses until the
+last moment.
+
+    Interval         a mean and the half-width of its 95% interval over prompts
+    TeacherForced    one drafter's teacher-forced figures (`scoring.summarize_blocks`)
+    Mismatch         a prompt whose speculative answer parts from plain greedy decoding, and where
+    EndToEnd         one decoding mode of one drafter on the real target (`engine.summarize_end_to_end`)
+    Decoding         a drafter's modes: the greedy chain, greedy trees by node budget, sampled
+                     chains by temperature
+    Paired           a τ difference to the chosen checkpoint, paired over prompts
+    CandidateRecord  one drafter under evaluation: a checkpoint of this run or a baseline
+    Evaluation       every candidate, which checkpoint was chosen, and the scoring time
+
+Figures are held as the summaries round them, so what a metrics file shows is what the record
+holds. Exactly one function writes a record as metrics keys (`evaluate.report.to_metrics`);
+nothing reads keys back into a record. The record holds data only: the scorer (which `train`
+runs too) builds its section, and `evaluate` alone decides how it is written.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over prompts (each prompt's blocks or steps averaged first) and its 95% half-width
+    (`stats.mean_ci95_over_prompts`; nan over a single prompt)."""
+
+    mean: float
+    ci95: float
+
+
+@dataclass(frozen=True)
+class TeacherForced:
+    """One drafter scored teacher-forced on the cached val features (`scoring`)."""
+
+    tau: Interval  # acceptance length per block, over prompts
+    blocks: int
+    prompts: int
+    tau_per_block: float  # the plain mean over blocks, for comparison with reports that average blocks
+    slot_acceptance: list[float]  # slot 1..B-1: the slot's argmax is the target's token (nan: no block has the slot)
+    slot_acceptance_conditional: list[float]  # the same, over blocks whose earlier slots were all accepted
+    ddtree_streak: dict[int, Interval] = field(default_factory=dict)  # node budget -> DDTree streak
+    categories: dict[str, Interval] = field(default_factory=dict)  # prompt category -> τ
+    extras: dict[str, float] = field(default_factory=dict)  # the drafter architecture's own figures, by name
+    seconds: float | None = None  # how long scoring this drafter took
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A prompt whose speculative answer differs from plain decoding: the first differing answer
+    token, and whether the target's logits there are a near-tie (`engine.is_near_tie`: rounding
+    decides which token greedy decoding takes, not a defect of the drafter or the verifier)."""
+
+    prompt_id: str
+    position: int
+    near_tie: bool
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Shares of the speculative decoding time."""
+
+    prefill: float
+    verify: float
+    draft: float
+    overhead: float
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    """One decoding mode of one drafter against plain decoding on the same prompts (`engine`)."""
+
+    prompts: int
+    tau: Interval  # committed tokens per speculative step, over prompts
+    speedup: float | None  # speculative tokens/s over plain tokens/s, measured alternately
+    lossless_rate: float | None  # share of answers equal to plain decoding token for token; None when sampled
+    mismatches: list[Mismatch]
+    acceptance_rate: float  # accepted drafted tokens (tree nodes) over those verified
+    plain_tokens_per_s: float
+    spec_tokens_per_s: float
+    decode_step_ms: float  # one plain decode step on this machine
+    verify_cost_steps: float | None  # one verify forward, in plain decode steps
+    draft_cost_steps: float | None  # one drafting step (propose + extend the context cache), in decode steps
+    break_even_tau: float | None  # the τ below which speculative decoding is slower here
+    time: TimeSplit
+    verify_tokens: int | None = None  # a greedy chain: drafted tokens verified per step
+    forward_cost_steps: list[float] = field(default_factory=list)  # the measured target forward of 1.. tokens, when planned
+    expected_tokens_per_step_cost: list[float] = field(default_factory=list)  # the plan's rate per verify length
+
+    @property
+    def near_tie_mismatches(self) -> int:
+        return sum(mismatch.near_tie for mismatch in self.mismatches)
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """A drafter decoded end to end: greedy chain, greedy trees and sampled chains."""
+
+    chain: EndToEnd
+    trees: dict[int, EndToEnd] = field(default_factory=dict)  # node budget -> greedy tree decoding
+    sampled: dict[float, EndToEnd] = field(default_factory=dict)  # temperature > 0 -> sampled chain decoding
+
+
+@dataclass(frozen=True)
+class Paired:
+    """τ of a drafter minus τ of the chosen checkpoint, paired over the prompts both scored."""
+
+    mean: float
+    ci95: float
+    prompts: int
+
+
+@dataclass(frozen=True)
+class CandidateRecord:
+    """One drafter under evaluation and everything measured of it."""
+
+    name: str  # "step_000900" or the baseline folder's name
+    kind: str  # "checkpoint" | "baseline"
+    path: str
+    step: int | None  # a checkpoint's training step
+    block_size: int
+    num_layers: int
+    teacher_forced: TeacherForced
+    vs_chosen: Paired | None = None  # set once a checkpoint is chosen
+    decoding: Decoding | None = None  # the chosen checkpoint and the baselines, when prompts are decoded
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The whole evaluation: candidates in scoring order (checkpoints, then baselines), the chosen
+    checkpoint's name (highest teacher-forced τ; the first candidate when only baselines ran) and
+    the time teacher-forced scoring of all of them took."""
+
+    candidates: list[CandidateRecord]
+    chosen: str
+    teacher_forced_seconds: float
+
+    def candidate(self, name: str) -> CandidateRecord:
+        return next(candidate for candidate in self.candidates if candidate.name == name)
+
+    @property
+    def chosen_record(self) -> CandidateRecord:
+        return self.candidate(self.chosen)
+
+    @property
+    def checkpoints(self) -> list[CandidateRecord]:
+        return [candidate for candidate in self.candidates if candidate.kind == "checkpoint"]
+
+    @property
+    def baselines(self) -> list[CandidateRecord]:
+        return [candidate for candidate in self.candidates if candidate.kind == "baseline"]

@@ -1,0 +1,41 @@
+"""The train stage's report: train.json (the final metrics) and the training curves (CSV for
+`dvc plots`, and a PNG of loss and held-out τ). Only `train` runs this module, so editing it
+makes no other stage stale."""
+
+import csv
+from pathlib import Path
+
+from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_metrics
+
+
+def write_train_outputs(result: dict, *, metrics_path: Path, plots_dir: Path) -> dict:
+    """train.json (the final metrics, flat) and the curves (`write_curves`); returns the metrics."""
+    write_curves(result["curve"], plots_dir)
+    flat = {key: value for key, value in result.items() if not isinstance(value, list)}
+    flat.update({f"slot{k + 1}_acc": a for k, a in enumerate((result.get("slot_accuracy") or [])[:4])})
+    write_metrics(metrics_path, flat)
+    return flat
+
+
+def write_curves(curve: list[dict], plots_dir: Path) -> None:
+    """CSV curves for `dvc plots` (loss per step; τ per evaluation) and a PNG of both."""
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(plots_dir / "train_loss.csv") as tmp, open(tmp, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["step", "loss", "slot1_acc"])
+        writer.writerows([row["step"], row["loss"], row["slot1_acc"]] for row in curve)
+    evaluated = [row for row in curve if "tau" in row]
+    with atomic_path(plots_dir / "train_tau.csv") as tmp, open(tmp, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        slots = len(evaluated[0]["slot_accuracy"]) if evaluated else 0
+        writer.writerow(["step", "tau", "tau_ci95"] + [f"acc_slot{k + 1}" for k in range(slots)])
+        writer.writerows([row["step"], row["tau"], row["tau_ci95"], *row["slot_accuracy"]] for row in evaluated)
+    plt = pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot([r["step"] for r in curve], [r["loss"] for r in curve], lw=0.8)
+    left.set(xlabel="step", ylabel="decayed CE loss", title="training loss")
+    if evaluated:
+        right.errorbar([r["step"] for r in evaluated], [r["tau"] for r in evaluated], yerr=[r["tau_ci95"] for r in evaluated],
+                       marker="o", capsize=3)
+    right.set(xlabel="step", ylabel="held-out teacher-forced tau", title="acceptance length (95% CI over prompts)")
+    save_figure(figure, plots_dir / "train.png")
