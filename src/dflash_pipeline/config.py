@@ -101,9 +101,10 @@ class CaptureConfig:
 class TrainConfig:
     # Drafter decoder layers (released DFlash drafters use 5; 1 trains fastest on a CPU).
     num_layers: int = 1
-    # Block size B: one forward drafts B-1 tokens. 16 as released; 8 learns faster at small scale.
+    # Block size B: one forward drafts B-1 tokens. 4 learns fastest per CPU-minute (docs/studies.md,
+    # second study); 16 as released, and in the GPU profile (docs/gpu.md).
     block_size: int = 4
-    # Loss decay over slots, exp(-(k-1)/gamma); null: 7 for B=16, 4 for B=8.
+    # Loss decay over slots, exp(-(k-1)/gamma); null: 7 for B=16, 4 for B=8, 2.5 for B=4 (train.loss.default_gamma).
     gamma: float | None = None
     # Mask token id; null: an unused embedding row, else a special token absent from the data.
     mask_token_id: int | None = None
@@ -186,7 +187,7 @@ class EvaluateConfig:
     anchors_per_sequence: int = 64
     # Context tokens per batched teacher-forced forward.
     tokens_per_batch: int = 4096
-    # DDTree node budgets; 8 gives ddtree8_streak.
+    # DDTree node budgets; 8 gives tree.8.streak (teacher-forced) and tree.8.tau (end to end).
     tree_budgets: list[int] = dataclasses.field(default_factory=lambda: [4, 8, 16])
     # End-to-end speculative decoding: val prompts and answer length (0 prompts skips it).
     num_prompts: int = 8
@@ -194,8 +195,8 @@ class EvaluateConfig:
     # Drafted tokens a chain step verifies: null = the length that pays best on this machine
     # (from the target's forward costs measured at evaluate time), else 1..B-1.
     verify_tokens: int | None = None
-    # Sampling temperatures decoded end to end besides greedy (keys e2e_tau_t1, speedup_t1, ... for
-    # 1.0; e2e_tau_t0_6 for 0.6); 0 stands for the greedy run, which always runs. [] = greedy only.
+    # Sampling temperatures decoded end to end besides greedy (sampled.1.0.tau, .speedup, ... for
+    # 1.0; sampled.0.6.* for 0.6); 0 stands for the greedy run, which always runs. [] = greedy only.
     temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0, 1.0])
     # Acceptance rule at T > 0: "ratio" (speculative sampling: draw from q, accept with p/q) or
     # "match" (the drafter's argmax, accepted while it equals the target's own sample).
