@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	# z-lab's reference drafter, for the parity tests. Its dflash.model needs only torch and transformers;
 	# its own pins (datasets, requests, tqdm; transformers 5.15.0 in an extra) would move ours.
 	$(PIP) install -q --no-deps dflash==0.1.0 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -c "import torch, transformers, dvc, dvc_s3, moto, pyarrow, gguf, dflash_pipeline; from dflash_pipeline.embedded import embedded_gguf_path; embedded_gguf_path(); from dflash.model import DFlashDraftModel"
+	$(BIN)/python -c "import torch, transformers, dvc, dvc_s3, moto, pyarrow, gguf, dflash_pipeline; from dflash_pipeline.target.embedded import embedded_gguf_path; embedded_gguf_path(); from dflash.model import DFlashDraftModel"
 	touch $@
 
 repro: install
