@@ -17,7 +17,7 @@ LAYERS = [
     ["errors", "files", "config", "runtime", "devices", "stats", "progress"],
     ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "drafters.dflash2", "drafters.core",
      "drafters.serving", "decoding.sampling", "decoding.trees"],
-    ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "evaluate.scoring", "train.loss"],
+    ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "decoding.session", "evaluate.scoring", "train.loss"],
     ["generate", "capture", "train.run", "evaluate.run", "export"],
     ["report"],
     ["cli"],
