@@ -76,6 +76,17 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_target(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama's TargetInfo, as the `target` stage fingerprints it (its folder referenced, not copied)."""
+    from dflash_pipeline.config import TargetConfig
+    from dflash_pipeline.target.load import TargetInfo, prepare_target
+
+    out = tmp_path_factory.mktemp("tiny-llama-target")
+    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=out)
+    return TargetInfo.from_json(out / "target.json")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A 4-layer random Qwen3 (q/k norms, untied head) with the SmolLM2 tokenizer."""
     from transformers import Qwen3Config

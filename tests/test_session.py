@@ -4,12 +4,10 @@ sharing its target between drafters, and refusing a drafter that reads other lay
 import pytest
 import torch
 
-from dflash_pipeline.config import TargetConfig
 from dflash_pipeline.decoding.sampling import Sampling
 from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.target.load import TargetInfo, prepare_target
 
 
 def tiny_drafter(layer_ids=(1, 3), seed=0) -> DFlashDrafter:
@@ -20,10 +18,8 @@ def tiny_drafter(layer_ids=(1, 3), seed=0) -> DFlashDrafter:
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir, tmp_path_factory) -> TargetInfo:
-    out = tmp_path_factory.mktemp("session-target")
-    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=out)
-    return TargetInfo.from_json(out / "target.json")
+def target(tiny_llama_target):
+    return tiny_llama_target
 
 
 @pytest.fixture(scope="module")
