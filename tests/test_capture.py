@@ -135,6 +135,7 @@ def _assert_same_split(a, b):
             assert filecmp.cmp(a / split / shard["file"], b / split / shard["file"], shallow=False), shard["file"]
 
 
+@pytest.mark.subprocess
 def test_stage_writes_verified_shards_and_kill_9_resume_is_byte_identical(tiny, tmp_path):
     info, model, target_json = tiny
     generated = write_generated(tmp_path / "generated", {"train": 240, "val": 12})
@@ -187,6 +188,7 @@ def test_stage_writes_verified_shards_and_kill_9_resume_is_byte_identical(tiny, 
     assert open_split(killed / "train").manifest.feature_dtype == "fp8_e4m3"
 
 
+@pytest.mark.subprocess
 def test_two_torchrun_processes_write_the_same_shards_as_one(tiny, tmp_path):
     _, _, target_json = tiny
     generated = write_generated(tmp_path / "generated", {"train": 60, "val": 9}, answer_len=(10, 120))
@@ -308,6 +310,7 @@ def test_a_corrupted_shard_is_rebuilt_not_recorded(tiny, tmp_path, capsys, monke
     verify_split(split)
 
 
+@pytest.mark.subprocess
 def test_a_rerun_that_changes_no_shard_leaves_the_output_byte_identical(tiny, tmp_path):
     # Timings inside data/hidden changed its hash on every rerun, so train reran and "resumed" at
     # its last step; they live in the metrics file instead.

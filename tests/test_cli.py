@@ -105,6 +105,7 @@ def test_every_subcommand_explains_itself_with_an_example(command):
         assert all(name in result.output for name in SUBCOMMANDS)
 
 
+@pytest.mark.subprocess
 def test_installed_console_script_runs_and_fails_in_one_line(tiny, tmp_path):
     script = Path(sys.executable).parent / "dflash-pipeline"
     assert script.is_file(), "console script missing: pip install --no-deps -e . (pyproject.toml [project.scripts])"

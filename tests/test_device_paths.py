@@ -57,6 +57,7 @@ def _tiny_drafter(**overrides) -> DFlashDrafter:
     return DFlashDrafter(DrafterConfig(**values)).eval()
 
 
+@pytest.mark.slow  # torch.compile on the CPU: ~20 s
 def test_compiled_flex_attention_equals_sdpa(monkeypatch):
     """The GPU's training attention: flex_attention compiled by torch.compile with a BlockMask
     (here with inductor's CPU backend instead of Triton) against SDPA with the dense mask."""
@@ -241,6 +242,7 @@ def test_timing_helper():
 # ----------------------------------------------------------------------------- bench/gpu.py
 
 
+@pytest.mark.subprocess
 def test_gpu_bench_dry_run(tmp_path):
     """The lent-GPU script end to end at toy sizes on the CPU: every section runs and prints its row."""
     out = tmp_path / "gpu.json"

@@ -89,6 +89,7 @@ def test_folder_without_weights_is_refused(tiny_llama_dir, tmp_path):
         prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")
 
 
+@pytest.mark.subprocess
 def test_stage_command_prints_one_error_line_and_exits_1(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text((REPO_ROOT / "params.yaml").read_text().replace("model: smollm2-135m-instruct", "model: /no/such/model"))
