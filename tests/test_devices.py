@@ -28,3 +28,13 @@ def test_elapsed_counts_from_a_perf_counter_start():
     started = time.perf_counter()
     time.sleep(0.01)
     assert devices.elapsed("cpu", started) == pytest.approx(0.01, abs=0.5) and devices.elapsed("cpu", started) >= 0.01
+
+
+def test_timing_helper():
+    result, seconds = devices.timed(lambda: sum(range(1000)), "cpu")
+    assert result == 499500 and seconds >= 0
+    assert devices.bf16_by_default("cuda:1") and not devices.bf16_by_default("cpu")
+    with devices.autocast("cpu", enabled=True):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    with devices.autocast("cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32

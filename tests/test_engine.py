@@ -1,7 +1,9 @@
 """decoding/engine.py on the tiny Llama: plain decoding streams and stops where it should, a
-verified prefix cuts a proposal (and its q) to k tokens, and `end_to_end` runs every candidate on
-every prompt against one plain run, lossless at T = 0."""
+verified prefix cuts a proposal (and its q) to k tokens, a tree verify leaves the target's cache
+holding exactly the accepted path, and `end_to_end` runs every candidate on every prompt against
+one plain run, lossless at T = 0."""
 
+import pytest
 import torch
 
 from dflash_pipeline.decoding.engine import (
@@ -10,9 +12,18 @@ from dflash_pipeline.decoding.engine import (
     end_to_end,
     first_difference,
     greedy_decode,
+    keep_path,
     summarize_end_to_end,
     verified_prefix,
+    verify_tree,
 )
+from dflash_pipeline.decoding.trees import ANCHOR, DraftTree
+from test_trees import plain_logits, prefilled
+
+
+@pytest.fixture
+def tiny_llama(tiny_target):
+    return tiny_target[0]
 
 
 def test_first_difference_is_the_first_parting_position_or_the_shorter_length():
@@ -50,3 +61,43 @@ def test_end_to_end_runs_every_candidate_on_every_prompt_losslessly(tiny_target)
         summary = summarize_end_to_end(results, name)
         assert summary["lossless_rate"] == 1.0 and summary["e2e_prompts"] == 2 and summary["mismatches"] == []
     assert all(max(r.speculative["k1"].steps) <= 2 for r in results)  # one drafted token and the bonus per step
+
+
+def test_after_a_tree_verify_the_cache_holds_exactly_the_accepted_path(tiny_llama):
+    prompt, anchor = [1, 504, 3112, 314, 253], 1345
+    first = int(plain_logits(tiny_llama, prompt + [anchor]).argmax())
+    second = int(plain_logits(tiny_llama, prompt + [anchor, first]).argmax())
+    bonus = int(plain_logits(tiny_llama, prompt + [anchor, first, second]).argmax())
+    decoys = [t for t in (40, 41, 42) if t not in (first, second)]
+    # the accepted branch is grown second, so its nodes (1, 3) must be moved down in the cache
+    tree = DraftTree(tokens=[decoys[0], first, decoys[1], second], parents=[ANCHOR, ANCHOR, 0, 1], depths=[0, 0, 1, 1])
+    cache = prefilled(tiny_llama, prompt)
+    with torch.no_grad():
+        path, token = verify_tree(tiny_llama, cache, tree, anchor, len(prompt))
+    assert path == [1, 3] and token == bonus
+    reference = prefilled(tiny_llama, prompt + [anchor, first, second])
+    assert cache.get_seq_length() == reference.get_seq_length() == len(prompt) + 3
+    for ours, theirs in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-4, atol=1e-4)
+
+
+def test_keep_path_leaves_a_prefix_of_the_node_order_in_place_and_drops_the_rest():
+    from types import SimpleNamespace
+
+    keys = torch.arange(10.0).view(1, 1, 10, 1)
+    layer = SimpleNamespace(keys=keys.clone(), values=keys.clone())
+
+    class Cache:
+        layers = [layer]
+
+        def get_seq_length(self):
+            return layer.keys.shape[-2]
+
+        def crop(self, remove):
+            layer.keys, layer.values = layer.keys[..., :remove, :], layer.values[..., :remove, :]
+
+    keep_path(Cache(), 4, [1, 4])  # nodes start at entry 4: keep entries 5 and 8 after the first four
+    assert layer.keys.flatten().tolist() == [0, 1, 2, 3, 5, 8]
+    keep_path(Cache(), 4, [])  # every node rejected
+    assert layer.keys.flatten().tolist() == [0, 1, 2, 3]
