@@ -1,5 +1,6 @@
 """What bench/verify_length.py and bench/speculative.py share: their options, and the chosen
-drafter with the real target, its head, taps and val prompts, loaded as `evaluate` loads them."""
+drafter's decoding session (`decoding.session`: the real target, its head and taps) with the val
+shards and val prompts, loaded as `evaluate` loads them."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ def decoding_options(command):
         click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True),
         click.option("--num-prompts", default=8, show_default=True),
         click.option("--max-new-tokens", default=128, show_default=True),
-        click.option("--device", default="cpu", show_default=True),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True),
     ]
     for option in reversed(options):
         command = option(command)
@@ -25,33 +26,33 @@ def decoding_options(command):
 
 @dataclass
 class DecodingSetup:
+    """A benchmark's inputs: the checkpoint's decoding session, the val shards and the val prompts."""
+
     checkpoint: Path
-    target: object
-    drafter: object
-    head: object
-    model: object
-    tap: object
+    session: object  # decoding.session.DecodingSession
     val_set: object
-    prompts: list
-    eos_ids: set
+    prompts: list  # (prompt id, token ids)
+
+    # The session's parts under the names the benchmarks use.
+    target = property(lambda self: self.session.target)
+    drafter = property(lambda self: self.session.drafter)
+    head = property(lambda self: self.session.head)
+    model = property(lambda self: self.session.model)
+    tap = property(lambda self: self.session.tap)
+    eos_ids = property(lambda self: self.session.eos_ids)
 
 
 def load_decoding_setup(checkpoint, hidden: Path, generated: Path, target_json: Path, num_prompts: int, device: str) -> DecodingSetup:
-    import torch
-
+    from dflash_pipeline.data.shards import open_split
+    from dflash_pipeline.decoding.session import open_session
     from dflash_pipeline.drafters.checkpoints import load_checkpoint
-    from dflash_pipeline.devices import bf16_by_default
     from dflash_pipeline.evaluate.run import val_prompts
     from dflash_pipeline.files import read_json
-    from dflash_pipeline.data.shards import open_split
-    from dflash_pipeline.target.load import LayerTap, TargetInfo, load_target, load_target_head
+    from dflash_pipeline.target.load import TargetInfo
 
     target = TargetInfo.from_json(target_json)
     checkpoint = checkpoint or Path(read_json(Path("data/eval/best.json"), missing="no data/eval/best.json: pass --checkpoint")["path"])
     drafter, _ = load_checkpoint(checkpoint, device=device)
     val_set = open_split(hidden / "val", expected_fingerprint=target.fingerprint)
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
-    model, _ = load_target(target, device=device)
-    return DecodingSetup(checkpoint=checkpoint, target=target, drafter=drafter, head=head, model=model,
-                         tap=LayerTap(model, list(drafter.config.target_layer_ids)), val_set=val_set,
-                         prompts=val_prompts(generated / "val.parquet", num_prompts), eos_ids=set(target.eos_token_ids))
+    return DecodingSetup(checkpoint=checkpoint, session=open_session(target, drafter, device=device), val_set=val_set,
+                         prompts=val_prompts(generated / "val.parquet", num_prompts))

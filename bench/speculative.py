@@ -36,12 +36,12 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import numpy as np
     import torch
 
-    from dflash_pipeline.decoding.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
+    from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
     from dflash_pipeline.files import read_json
     from dflash_pipeline.decoding.sampling import Sampling
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
-    checkpoint, drafter, head, model, tap = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.tap
+    checkpoint, session, drafter, model, tap = setup.checkpoint, setup.session, setup.drafter, setup.model, setup.tap
     prompts, eos_ids, feature_dtype = setup.prompts, setup.eos_ids, setup.val_set.manifest.feature_dtype
     metrics = Path("data/metrics/eval.json")
     chosen_k = (read_json(metrics, missing="-").get("chain") or {}).get("verify_tokens") if metrics.is_file() else None
@@ -59,8 +59,7 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
         plain_tokens = plain_seconds = spec_tokens = spec_seconds = verify_seconds = decode_seconds = 0.0
         steps, identical, per_step = 0, 0, []
         for number, (_, prompt_ids) in enumerate(prompts):
-            propose = (tree_proposer(drafter, head, budget) if budget else
-                       verified_prefix(drafter_proposer(drafter, head, sampling), verify))
+            propose = session.proposer(tree_budget=budget) if budget else session.proposer(sampling=sampling, verify_tokens=verify)
             runs = {}
 
             def plain():

@@ -25,7 +25,7 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import torch
 
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.decoding.engine import drafter_proposer, end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end, verified_prefix
+    from dflash_pipeline.decoding.engine import end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end
     from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
@@ -36,14 +36,14 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
                                   tokens_per_batch=config.tokens_per_batch, tree_budgets=[], seed=config.seed)
     _, conditional = per_slot_acceptance(scores)
     block = drafter.config.block_size
-    propose = drafter_proposer(drafter, head)
+    propose = setup.session.proposer()
 
     costs = measure_forward_costs(model, prompts[0][1], block)
     plan = plan_verify_tokens(model, tap, drafter, propose, prompts[0][1], conditional, eos_ids=eos_ids,
                               feature_dtype=val_set.manifest.feature_dtype, costs=costs)  # exactly as evaluate chooses
     chosen, rates, draft_steps = plan.tokens, plan.expected_rates, plan.draft_cost_steps
 
-    candidates = [(f"k={k}", drafter, verified_prefix(propose, k)) for k in range(1, block)]
+    candidates = [(f"k={k}", drafter, setup.session.proposer(verify_tokens=k)) for k in range(1, block)]
     results = end_to_end(model, tap, candidates, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                          feature_dtype=val_set.manifest.feature_dtype, progress=True)
     print(f"{checkpoint}: block {block}, teacher-forced conditional acceptance {[round(a, 3) for a in conditional]}; "

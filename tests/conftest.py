@@ -1,7 +1,14 @@
-"""Shared fixtures: tiny random-weight targets with the real SmolLM2 tokenizer, prompt files, a repo.
+"""Shared fixtures: tiny random-weight targets with the real SmolLM2 tokenizer, prompt files, a repo;
+and the test lanes' guard.
 
 The tiny targets have the real 49,152-token vocabulary and chat template (so token ids, padding and
 EOS handling are the real ones) but only a few narrow layers, so a stage runs in seconds on CPU.
+
+Test lanes (markers in pyproject.toml): `slow` (the real target, or more than ~10 s), `dvc` (runs
+dvc commands), `subprocess` (spawns stage scripts, torchrun, the console script, servers).
+`make test-fast` deselects all three; `make test` (CI) runs everything. A test that runs dvc or
+spawns a process through `run`, `start_then_kill_9` or `stage_env`, or builds `pipeline_repo` /
+`tiny_pipeline`, without its marker fails here, naming the marker.
 """
 
 import importlib.util
@@ -28,6 +35,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ----------------------------------------------------------------------------- test lanes
+# `make test-fast` deselects the markers `slow`, `dvc` and `subprocess` (pyproject.toml). A test that
+# drives DVC or spawns a process through the helpers below without its marker would slip into the
+# fast lane, so it fails, naming the marker. The markers a test may carry for each:
+LANE_FIXTURES = {"pipeline_repo": ("dvc",), "tiny_pipeline": ("dvc",)}
+DVC_MARKERS = ("dvc",)
+SPAWN_MARKERS = ("subprocess", "dvc")  # a dvc test spawns git, dvc and the stage scripts by nature
+_running: dict = {"item": None}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running["item"] = item
+    try:
+        return (yield)
+    finally:
+        _running["item"] = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture is built: a test using a DVC fixture must carry the dvc marker."""
+    for fixture, markers in LANE_FIXTURES.items():
+        if fixture in item.fixturenames:
+            require_marker(item, f"uses the fixture {fixture}", markers)
+
+
+def require_marker(item, what: str, markers: tuple[str, ...]) -> None:
+    if item is not None and not any(item.get_closest_marker(name) for name in markers):
+        pytest.fail(f"{item.nodeid} {what}: mark it @pytest.mark.{markers[0]} (test lanes, tests/conftest.py)", pytrace=False)
+
+
+def require_spawn_marker(cmd) -> None:
+    """The running test may spawn `cmd`: a `dvc` command needs the dvc marker, any other subprocess or dvc."""
+    program = Path(str(cmd[0])).name if cmd else ""
+    is_dvc = program == "dvc" or [str(part) for part in cmd[1:3]] == ["-m", "dvc"]
+    require_marker(_running["item"], "runs dvc" if is_dvc else f"spawns {program or 'a process'}",
+                   DVC_MARKERS if is_dvc else SPAWN_MARKERS)
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +123,17 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_target(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama's TargetInfo, as the `target` stage fingerprints it (its folder referenced, not copied)."""
+    from dflash_pipeline.config import TargetConfig
+    from dflash_pipeline.target.load import TargetInfo, prepare_target
+
+    out = tmp_path_factory.mktemp("tiny-llama-target")
+    prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=out)
+    return TargetInfo.from_json(out / "target.json")
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A 4-layer random Qwen3 (q/k norms, untied head) with the SmolLM2 tokenizer."""
     from transformers import Qwen3Config
@@ -116,6 +174,7 @@ def sample_prompts(tmp_path) -> Path:
 
 def stage_env() -> dict:
     """Environment for subprocesses: this interpreter's bin first, so `python` is the venv's."""
+    require_marker(_running["item"], "builds a subprocess environment (stage_env)", SPAWN_MARKERS)
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["HF_HUB_OFFLINE"] = "1"
@@ -124,6 +183,7 @@ def stage_env() -> dict:
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    require_spawn_marker(cmd)
     result = subprocess.run(cmd, cwd=cwd, env=stage_env(), capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -208,6 +268,8 @@ def start_then_kill_9(cmd: list[str], cwd: Path, ready, *, process_group: bool =
     """Start `cmd`, wait until `ready()` is true while it still runs, then SIGKILL it (and its group)."""
     import signal
     import time
+
+    require_spawn_marker(cmd)
 
     process = subprocess.Popen(cmd, cwd=cwd, env=stage_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=process_group)

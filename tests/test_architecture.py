@@ -18,7 +18,7 @@ LAYERS = [
     ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "decoding.sampling", "decoding.trees",
      "evaluate.record", "drafters.family", "drafters.core", "drafters.architecture", "drafters.dflash", "drafters.dflash2",
      "drafters.serving"],
-    ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "evaluate.scoring", "train.loss"],
+    ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "decoding.session", "evaluate.scoring", "train.loss"],
     ["generate", "capture", "train.run", "evaluate.run", "export"],
     ["train.report", "evaluate.report"],
     ["cli"],

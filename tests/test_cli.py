@@ -10,11 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
+import click
 import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import stage_env
+from conftest import REPO_ROOT, stage_env
 from dflash_pipeline.cli import main
 from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
 from dflash_pipeline.export import export_checkpoint
@@ -104,6 +105,7 @@ def test_every_subcommand_explains_itself_with_an_example(command):
         assert all(name in result.output for name in SUBCOMMANDS)
 
 
+@pytest.mark.subprocess
 def test_installed_console_script_runs_and_fails_in_one_line(tiny, tmp_path):
     script = Path(sys.executable).parent / "dflash-pipeline"
     assert script.is_file(), "console script missing: pip install --no-deps -e . (pyproject.toml [project.scripts])"
@@ -114,6 +116,54 @@ def test_installed_console_script_runs_and_fails_in_one_line(tiny, tmp_path):
     missing = subprocess.run([script, "show", tmp_path / "nope"], env=stage_env(), capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and missing.stdout == ""
     assert missing.stderr.count("\n") == 1 and missing.stderr.startswith("error: ") and "nope" in missing.stderr
+
+
+def test_the_group_help_lists_every_registered_command_with_a_one_line_summary():
+    result = CliRunner().invoke(main, ["--help"], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    listing = result.output.split("Commands:\n", 1)[1].splitlines()
+    assert sorted(main.commands) == sorted(SUBCOMMANDS)
+    assert [line.split()[0] for line in listing] == sorted(main.commands), listing  # one line each, none wrapped
+    for line in listing:
+        name, summary = line.split(maxsplit=1)
+        assert summary == main.commands[name].short_help, line  # in full, not cut short with "..."
+
+
+def test_version_prints_the_package_version():
+    from importlib.metadata import version
+
+    import dflash_pipeline
+
+    for flag in ("--version", "-V"):
+        result = invoke(flag)
+        assert result.exit_code == 0 and result.output == f"dflash-pipeline, version {dflash_pipeline.__version__}\n", result.output
+    assert dflash_pipeline.__version__ == version("dflash-pipeline")  # pyproject.toml's
+
+
+@pytest.mark.parametrize("command", [name for name in SUBCOMMANDS if any(p.name == "device" for p in main.commands[name].params)])
+def test_a_bad_device_is_a_one_line_error(command, tmp_path):
+    option = next(p for p in main.commands[command].params if p.name == "device")
+    assert isinstance(option.type, click.Choice) and set(option.type.choices) == {"auto", "cpu", "cuda"}
+    arguments = {"evaluate": [tmp_path, "--target", tmp_path, "--shards", tmp_path],
+                 "generate": ["hi", "--target", tmp_path, "--drafter", tmp_path]}[command]
+    assert_one_line_error(invoke(command, *arguments, "--device", "tpu"), "--device", "'tpu' is not one of")
+
+
+def test_the_device_option_appears_on_the_decoding_commands():
+    assert {name for name in SUBCOMMANDS if any(p.name == "device" for p in main.commands[name].params)} == {"evaluate", "generate"}
+
+
+def test_generate_defaults_are_params_yaml_values():
+    from dflash_pipeline.config import load_params
+
+    params = load_params(REPO_ROOT / "params.yaml")
+    defaults = {p.name: p.default for p in main.commands["generate"].params}
+    assert defaults["rule"] == params.evaluate.sampling_rule
+    assert defaults["seed"] == params.evaluate.seed
+    assert defaults["verify_tokens"] == params.evaluate.verify_tokens
+    assert defaults["max_new_tokens"] == params.generate.max_new_tokens
+    assert defaults["temperature"] == 0.0 and 0.0 in params.evaluate.temperatures  # greedy, always part of evaluate
+    assert defaults["device"] == "auto"
 
 
 # ----------------------------------------------------------------------------- verify-shards

@@ -13,7 +13,7 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 | batched scoring under autocast with a bf16 head | evaluate.score_candidates | test_bf16_batched_scorer_agrees_with_the_one_block_reference |
 | speculative decoding, bf16 target + autocast drafter | engine.speculative_decode (`bf16`), is_near_tie | test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties |
 | bf16 features kept on the device | engine.as_stored | test_as_stored_bf16_equals_the_shard_round_trip |
-| synchronised timing | devices.synchronize / timed (engine, bench/*) | test_timing_helper (CPU: no-op sync) |
+| synchronised timing | devices.synchronize / timed (engine, bench/*) | tests/test_devices.py::test_timing_helper (CPU: no-op sync) |
 | `non_blocking=True` copies | blocks.Batch.to | every train test (a plain copy on CPU); pinned memory is not used |
 | NCCL process group, `cuda:LOCAL_RANK` | train._init_distributed, capture | NOT on CPU: the same code with gloo runs in test_train / test_capture |
 | `bench/gpu.py` | bench | test_gpu_bench_dry_run (toy sizes, CPU) |
@@ -58,6 +58,7 @@ def _tiny_drafter(**overrides) -> DFlashDrafter:
     return DFlashDrafter(DrafterConfig(**values)).eval()
 
 
+@pytest.mark.slow  # torch.compile on the CPU: ~20 s
 def test_compiled_flex_attention_equals_sdpa(monkeypatch):
     """The GPU's training attention: flex_attention compiled by torch.compile with a BlockMask
     (here with inductor's CPU backend instead of Triton) against SDPA with the dense mask."""
@@ -229,19 +230,10 @@ def test_as_stored_bf16_equals_the_shard_round_trip():
     assert fp8.dtype == torch.bfloat16 and not torch.equal(fp8, features.to(torch.bfloat16))
 
 
-def test_timing_helper():
-    result, seconds = devices.timed(lambda: sum(range(1000)), "cpu")
-    assert result == 499500 and seconds >= 0
-    assert devices.bf16_by_default("cuda:1") and not devices.bf16_by_default("cpu")
-    with devices.autocast("cpu", enabled=True):
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
-    with devices.autocast("cpu"):
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
-
-
 # ----------------------------------------------------------------------------- bench/gpu.py
 
 
+@pytest.mark.subprocess
 def test_gpu_bench_dry_run(tmp_path):
     """The lent-GPU script end to end at toy sizes on the CPU: every section runs and prints its row."""
     out = tmp_path / "gpu.json"

@@ -130,6 +130,7 @@ def _metrics_path(out):
     return out.parent / "metrics" / f"{out.name}-generate.json"
 
 
+@pytest.mark.subprocess
 def test_kill_9_then_rerun_resumes_without_loss_or_duplicates(tiny_target, tmp_path):
     _, _, _, target_json = tiny_target
     prompts = _many_prompts(tmp_path / "many.jsonl", 40)
@@ -154,6 +155,7 @@ def test_kill_9_then_rerun_resumes_without_loss_or_duplicates(tiny_target, tmp_p
     assert this_run["reused_answers"] == written and this_run["prompts"] == 40 - written
 
 
+@pytest.mark.subprocess
 def test_a_rerun_that_adds_no_answer_leaves_the_output_byte_identical(tiny_target, sample_prompts, tmp_path):
     # Timings inside data/generated changed its hash on every rerun; they live in the metrics file.
     _, _, _, target_json = tiny_target
@@ -169,6 +171,7 @@ def test_a_rerun_that_adds_no_answer_leaves_the_output_byte_identical(tiny_targe
     assert this_run["reused_answers"] == len(SAMPLE_PROMPTS) and this_run["prompts"] == 0
 
 
+@pytest.mark.subprocess
 def test_stage_reports_a_bad_prompt_row_as_one_line(tiny_target, tmp_path):
     _, _, _, target_json = tiny_target
     prompts = write_jsonl(tmp_path / "bad.jsonl", [SAMPLE_PROMPTS[0], '{"prompt": "unterminated'])

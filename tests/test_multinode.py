@@ -64,6 +64,7 @@ def run_on_two_nodes(node_launcher, make_cmd, cwd, timeout: float = 300) -> list
     return outputs
 
 
+@pytest.mark.subprocess
 def test_two_nodes_of_two_processes_write_the_same_shards_as_one_process(tiny_run, tmp_path):
     _, root = tiny_run
     target_json = root / "target" / "target.json"
@@ -80,6 +81,7 @@ def test_two_nodes_of_two_processes_write_the_same_shards_as_one_process(tiny_ru
     assert "capture train" not in outputs[1] and "shard(s) written" not in outputs[1], outputs[1]
 
 
+@pytest.mark.subprocess
 def test_two_nodes_of_two_processes_train_the_same_curve_and_weights_as_one_process(tiny_run, tmp_path):
     single = tmp_path / "single" / "ck"
     run(_stage_cmd(tmp_path, tiny_run, single, max_steps=4, eval_every=4, save_every=4), cwd=tmp_path)
@@ -124,6 +126,7 @@ def test_capture_refuses_a_manifest_when_another_nodes_shards_are_not_in_its_fol
     assert not (out / "manifest.json").exists()
 
 
+@pytest.mark.subprocess
 def test_train_refuses_ranks_that_would_resume_at_different_steps(tiny_run, tmp_path):
     """Nodes without a shared --out: rank 0's folder holds a finished run, rank 1's is empty (each
     rank gets its own folder through a wrapper). Resuming the first and starting the second afresh

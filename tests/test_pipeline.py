@@ -3,9 +3,12 @@
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import run, set_params, start_then_kill_9
 from dflash_pipeline.data.shards import open_split
+
+pytestmark = [pytest.mark.slow, pytest.mark.dvc]  # test lanes (pyproject.toml)
 
 
 def dvc(repo, *args, check=True):

@@ -8,7 +8,11 @@ they must run offline. The uncached `target` output is rebuilt in each copy (sec
 import json
 import time
 
+import pytest
+
 from conftest import run
+
+pytestmark = [pytest.mark.slow, pytest.mark.dvc]  # test lanes (pyproject.toml)
 
 
 def dvc(repo, *args):

@@ -19,6 +19,8 @@ from dflash_pipeline.drafters.serving import export_drafter
 from dflash_pipeline.target.load import LayerTap, TargetHead
 from test_export import random_drafter
 
+pytestmark = pytest.mark.slow  # minutes: thousands of sampled decodes against z-lab's reference (test lanes, pyproject.toml)
+
 VOCAB, RUNS, NEW_TOKENS = 32, 400, 5  # 5 new tokens: the first block is drafted whole (B - 1 = 3 slots) in both
 
 

@@ -21,6 +21,8 @@ import pytest
 
 from conftest import folder_bytes, run, set_params, stage_env
 
+pytestmark = [pytest.mark.slow, pytest.mark.dvc]  # test lanes (pyproject.toml)
+
 ACCESS_KEY = "AKIATESTTEAMREMOTE01"
 SECRET_KEY = "team-remote-secret-never-in-git-0123456789"
 BUCKET = "dflash-team"

@@ -313,6 +313,7 @@ def _stage_cmd(tmp_path, tiny_run, out, launcher=(sys.executable,), **train):
             "--plots", str(out.parent / "plots"), "--device", "cpu"]
 
 
+@pytest.mark.subprocess
 def test_kill_9_then_rerun_gives_the_uninterrupted_curve(tiny_run, tmp_path):
     reference = tmp_path / "reference" / "ck"
     run(_stage_cmd(tmp_path, tiny_run, reference, max_steps=120, save_every=4, eval_every=40), cwd=tmp_path)
@@ -334,6 +335,7 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_curve(tiny_run, tmp_path):
     assert (out.parent / "plots" / "train_tau.csv").read_text().startswith("step,tau,tau_ci95,acc_slot1")
 
 
+@pytest.mark.subprocess
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tiny_run, tmp_path):
     single = tmp_path / "single" / "ck"
     run(_stage_cmd(tmp_path, tiny_run, single, max_steps=4, eval_every=4, save_every=4), cwd=tmp_path)
@@ -604,6 +606,7 @@ def test_dflash2_nan_loss_stops_and_keeps_the_last_checkpoint(tiny_run, tmp_path
     assert list_checkpoints(tmp_path / "ck")
 
 
+@pytest.mark.subprocess
 def test_dflash2_two_gloo_processes_match_one_process(tiny_run, tmp_path):
     dflash2 = dict(architecture="dflash2", options={"dflash2": dict(selector_rank=8, selector_top_k=4)}, max_steps=3, eval_every=3,
                    save_every=3)

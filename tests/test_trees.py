@@ -1,11 +1,11 @@
-"""Draft trees: the tree mask against plain forwards, the KV cache kept to the accepted path, and
-tree decoding that stays lossless where the answer lies off the drafter's top-1 chain."""
+"""Draft trees: the tree mask against plain forwards, and tree decoding that stays lossless where the
+answer lies off the drafter's top-1 chain (the engine's tree verify and cache: tests/test_engine.py)."""
 
 import pytest
 import torch
 
 from dflash_pipeline.drafters.core import Proposal
-from dflash_pipeline.decoding.engine import greedy_decode, keep_path, speculative_decode, tree_proposer, verify_tree
+from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode, tree_proposer
 from dflash_pipeline.decoding.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
 
 
@@ -46,44 +46,6 @@ def test_the_tree_mask_on_a_three_node_tree_equals_a_loop_of_plain_forwards(tiny
         torch.testing.assert_close(logits[row], plain_logits(tiny_llama, prompt + [anchor] + path), rtol=1e-4, atol=1e-4)
 
 
-def test_after_a_tree_verify_the_cache_holds_exactly_the_accepted_path(tiny_llama):
-    prompt, anchor = [1, 504, 3112, 314, 253], 1345
-    first = int(plain_logits(tiny_llama, prompt + [anchor]).argmax())
-    second = int(plain_logits(tiny_llama, prompt + [anchor, first]).argmax())
-    bonus = int(plain_logits(tiny_llama, prompt + [anchor, first, second]).argmax())
-    decoys = [t for t in (40, 41, 42) if t not in (first, second)]
-    # the accepted branch is grown second, so its nodes (1, 3) must be moved down in the cache
-    tree = DraftTree(tokens=[decoys[0], first, decoys[1], second], parents=[ANCHOR, ANCHOR, 0, 1], depths=[0, 0, 1, 1])
-    cache = prefilled(tiny_llama, prompt)
-    with torch.no_grad():
-        path, token = verify_tree(tiny_llama, cache, tree, anchor, len(prompt))
-    assert path == [1, 3] and token == bonus
-    reference = prefilled(tiny_llama, prompt + [anchor, first, second])
-    assert cache.get_seq_length() == reference.get_seq_length() == len(prompt) + 3
-    for ours, theirs in zip(cache.layers, reference.layers):
-        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-4, atol=1e-4)
-
-
-def test_keep_path_leaves_a_prefix_of_the_node_order_in_place_and_drops_the_rest():
-    from types import SimpleNamespace
-
-    keys = torch.arange(10.0).view(1, 1, 10, 1)
-    layer = SimpleNamespace(keys=keys.clone(), values=keys.clone())
-
-    class Cache:
-        layers = [layer]
-
-        def get_seq_length(self):
-            return layer.keys.shape[-2]
-
-        def crop(self, remove):
-            layer.keys, layer.values = layer.keys[..., :remove, :], layer.values[..., :remove, :]
-
-    keep_path(Cache(), 4, [1, 4])  # nodes start at entry 4: keep entries 5 and 8 after the first four
-    assert layer.keys.flatten().tolist() == [0, 1, 2, 3, 5, 8]
-    keep_path(Cache(), 4, [])  # every node rejected
-    assert layer.keys.flatten().tolist() == [0, 1, 2, 3]
 
 
 def scripted_setup():

@@ -7,10 +7,12 @@
     dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
     dflash-pipeline compare-runs data/eval other-clone/data/eval
     dflash-pipeline generate "Explain recursion." --target data/target/target.json --drafter data/export/drafter --compare
+    dflash-pipeline plots HEAD
 
 Each subcommand is a thin shell over the library, like the stage scripts: it resolves paths, builds
-a config from its options (never params.yaml), calls the library and prints. Every failure, usage
-mistakes included, is one line `error: ...` on stderr and exit status 1.
+a config from its options (never params.yaml), calls the library and prints. Option defaults are the
+config dataclasses' defaults (config.py), which equal params.yaml's. Every failure, usage mistakes
+included, is one line `error: ...` on stderr and exit status 1.
 """
 
 import sys
@@ -20,13 +22,26 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.config import EvaluateConfig, TargetConfig
+from dflash_pipeline import __version__
+from dflash_pipeline.config import EvaluateConfig, GenerateConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import format_bytes
 from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
 
 DEFAULTS = EvaluateConfig()
+GENERATE_DEFAULTS = GenerateConfig()
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def device_option(command):
+    """`--device auto|cpu|cuda` (auto: cuda when available); the command receives the resolved device."""
+
+    def resolve(context, option, value: str) -> str:
+        return default_device() if value == "auto" else value
+
+    return click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, callback=resolve,
+                        help="Where the models run; auto: cuda when available, else cpu.")(command)
 
 
 class OneLineGroup(click.Group):
@@ -52,10 +67,13 @@ class OneLineGroup(click.Group):
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "-V", "--version", prog_name="dflash-pipeline")
 def main():
-    """DFlash drafter tools outside the DVC pipeline: score, verify, inspect and export.
+    """DFlash drafter tools outside the DVC pipeline: score and compare drafters, decode with one,
+    verify and inspect shards and checkpoints, export, and plot experiments.
 
-    Hub downloads stay off unless HF_HUB_OFFLINE=0 is set.
+    Hub downloads stay off unless HF_HUB_OFFLINE=0 is set. `dflash-pipeline COMMAND --help` shows
+    a command's options and an example.
     """
     offline_by_default()
 
@@ -158,7 +176,7 @@ def comma_separated(kind: type, minimum: float, example: str):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write the evaluate stage's outputs here (eval.json, details.json, comparison.csv, blocks.parquet, "
                    "e2e.json, best.json, plots/).")
-@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@device_option
 @one_line_errors
 def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budgets, temperatures, e2e_prompts, max_new_tokens,
              tokens_per_batch, seed, out_dir, device):
@@ -201,7 +219,7 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
 # ----------------------------------------------------------------------------- verify-shards
 
 
-@main.command("compare-runs", short_help="Are two runs' chosen drafters different, or drift? (paired over shared val prompts)")
+@main.command("compare-runs", short_help="Compare two runs' chosen drafters, paired by val prompt.")
 @click.argument("run_a", type=EXISTING_DIR)
 @click.argument("run_b", type=EXISTING_DIR)
 @one_line_errors
@@ -416,24 +434,27 @@ def export(checkpoint, out, dtype):
 # ----------------------------------------------------------------------------- generate
 
 
-@main.command("generate", short_help="Answer a prompt with speculative decoding (greedy or sampled), streaming.")
+@main.command("generate", short_help="Answer a prompt with speculative decoding, streaming.")
 @click.argument("prompt")
 @click.option("--target", "target_path", required=True, type=click.Path(exists=True, path_type=Path),
               help="The target stage's target.json, or a local Hugging Face model folder.")
 @click.option("--drafter", "drafter_dir", required=True, type=EXISTING_DIR,
               help="A training checkpoint (step_NNNNNN), an export, or a published DFlash drafter folder.")
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="0: greedy.")
-@click.option("--rule", type=click.Choice(["match", "ratio"]), default="match", show_default=True,
-              help="Acceptance rule at T > 0: the drafter's argmax matched against the target's sample, or speculative sampling.")
+@click.option("--rule", type=click.Choice(["ratio", "match"]), default=DEFAULTS.sampling_rule, show_default=True,
+              help="Acceptance rule at T > 0: speculative sampling, or the drafter's argmax matched against the target's sample "
+                   "(params.yaml evaluate.sampling_rule).")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--verify-tokens", type=click.IntRange(min=1), default=None, help="Drafted tokens verified per step (default: all B-1).")
+@click.option("--seed", type=int, default=DEFAULTS.seed, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=GENERATE_DEFAULTS.max_new_tokens, show_default=True,
+              help="Answer length cap (params.yaml generate.max_new_tokens).")
+@click.option("--verify-tokens", type=click.IntRange(min=1), default=DEFAULTS.verify_tokens,
+              help="Drafted tokens verified per step (default: all B-1).")
 @click.option("--tree-budget", type=click.IntRange(min=1), default=None,
               help="Verify a DDTree of this many drafted nodes per step instead of a chain (greedy only).")
 @click.option("--compare", is_flag=True, help="Also decode without the drafter and report both.")
-@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@device_option
 @one_line_errors
 def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, seed, max_new_tokens, verify_tokens, tree_budget, compare,
              device):
@@ -446,58 +467,47 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
       dflash-pipeline generate "Write a haiku about autumn." --target data/target/target.json \\
           --drafter data/export/drafter --temperature 0.7 --compare
     """
-    import torch
-
-    from dflash_pipeline.devices import bf16_by_default
-    from dflash_pipeline.decoding.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer, verified_prefix
-    from dflash_pipeline.evaluate.run import load_candidates
-    from dflash_pipeline.generate import render_prompt
     from dflash_pipeline.data.prompts import Prompt
     from dflash_pipeline.decoding.sampling import Sampling
-    from dflash_pipeline.target.load import LayerTap, load_target, load_target_head
+    from dflash_pipeline.decoding.session import open_session
+    from dflash_pipeline.evaluate.run import load_candidates
+    from dflash_pipeline.generate import render_prompt
 
     if tree_budget is not None and (temperature > 0 or verify_tokens is not None):
         raise PipelineError("--tree-budget: tree verification is greedy and verifies the whole tree (drop --temperature / --verify-tokens)")
-    device = device or default_device()
     target = target_info(target_path)
     kind = folder_kind(drafter_dir)
     if kind not in ("checkpoint", "drafter"):
         raise PipelineError(f"{drafter_dir}: a shard folder, not a drafter (checkpoint.json or config.json)")
     (candidate,) = load_candidates(checkpoint_folders=[drafter_dir] if kind == "checkpoint" else [],
                                    baseline_dirs=[drafter_dir] if kind == "drafter" else [], target=target, layer_ids=None, device=device)
-    drafter = candidate.drafter.eval()
     sampling = Sampling(temperature, rule=rule, top_k=top_k, top_p=top_p, seed=seed) if temperature > 0 else None
-    model, tokenizer = load_target(target, device=device)
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
-    tap = LayerTap(model, list(drafter.config.target_layer_ids))
-    prompt_ids = render_prompt(tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
-                               system_prompt=None, enable_thinking=False)
-    propose = drafter_proposer(drafter, head, sampling) if tree_budget is None else tree_proposer(drafter, head, tree_budget)
-    if verify_tokens is not None:
-        propose = verified_prefix(propose, min(verify_tokens, drafter.config.block_size - 1))
-    eos_ids = set(target.eos_token_ids)
+    session = open_session(target, candidate.drafter, device=device)
+    prompt_ids = render_prompt(session.tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
+                               system_prompt=GENERATE_DEFAULTS.system_prompt, enable_thinking=GENERATE_DEFAULTS.enable_thinking)
+    propose = session.proposer(sampling=sampling, tree_budget=tree_budget, verify_tokens=verify_tokens)
     if compare:  # first-call allocations and kernel choice would otherwise fall on the side that runs first
-        greedy_decode(model, prompt_ids, max_new_tokens=4, eos_ids=eos_ids)
+        session.plain(prompt_ids, max_new_tokens=4)
     shown: list[int] = []
 
     def stream(tokens: list[int]) -> None:
-        before = tokenizer.decode(shown, skip_special_tokens=True)
+        before = session.tokenizer.decode(shown, skip_special_tokens=True)
         shown.extend(tokens)
-        click.echo(tokenizer.decode(shown, skip_special_tokens=True)[len(before):], nl=False)
+        click.echo(session.tokenizer.decode(shown, skip_special_tokens=True)[len(before):], nl=False)
 
-    run = speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                             sampling=sampling, on_tokens=stream)
+    run = session.decode(prompt_ids, propose, max_new_tokens=max_new_tokens, sampling=sampling, on_tokens=stream)
     click.echo()
     steps = sum(run.steps) / len(run.steps) if run.steps else 1.0
     mode = ("greedy" if tree_budget is None else f"greedy, tree of {tree_budget}") if sampling is None else f"T={temperature}, {rule} rule"
     click.echo(f"speculative ({mode}): {len(run.tokens)} tokens, {steps:.2f} tokens per step, {len(run.tokens) / run.seconds:.1f} tokens/s")
     if compare:
-        plain = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling)
+        plain = session.plain(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling)
         rate = len(plain.tokens) / plain.seconds
         mode = "greedy" if sampling is None else mode
         same = "identical answers" if plain.tokens == run.tokens else (
             "different answers: NOT LOSSLESS" if sampling is None else "different samples (expected at T > 0: same distribution)")
         click.echo(f"plain ({mode}): {len(plain.tokens)} tokens, {rate:.1f} tokens/s; speedup {len(run.tokens) / run.seconds / rate:.2f}; {same}")
+    session.close()
 
 
 # ----------------------------------------------------------------------------- plots
@@ -557,7 +567,7 @@ def render_plots_diff(payload: dict, out_dir: Path) -> list[Path]:
     return written
 
 
-@main.command(short_help="Render `dvc plots diff` of revisions or experiments to PNGs (offline).")
+@main.command(short_help="Draw `dvc plots diff` of revisions to PNGs (offline).")
 @click.argument("revisions", nargs=-1)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default="data/plots/diff", show_default=True)
 @one_line_errors

@@ -24,17 +24,8 @@ import torch
 
 from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.devices import autocast, bf16_by_default
-from dflash_pipeline.decoding.engine import (
-    EndToEndPrompt,
-    VerifyPlan,
-    drafter_proposer,
-    end_to_end,
-    measure_forward_costs,
-    plan_verify_tokens,
-    summarize_end_to_end,
-    tree_proposer,
-    verified_prefix,
-)
+from dflash_pipeline.decoding.engine import EndToEndPrompt, VerifyPlan, end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end
+from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.decoding.sampling import Sampling
@@ -42,7 +33,7 @@ from dflash_pipeline.evaluate.record import CandidateRecord, Decoding, Evaluatio
 from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.data.shards import open_split
-from dflash_pipeline.target.load import LayerTap, load_target, load_target_head
+from dflash_pipeline.target.load import load_target_head
 
 # ----------------------------------------------------------------------------- drafters
 
@@ -231,17 +222,17 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
     drafter's teacher-forced conditional acceptance per slot), the number that pays best on this
     machine (`engine.plan_verify_tokens`); else all B-1.
     """
-    model, _ = load_target(target, device=device)
-    tap = LayerTap(model, layer_ids)
-    prompts = val_prompts(generated_val, config.num_prompts)
-    eos_ids = set(target.eos_token_ids)
     by_name = {c.name: c for c in candidates}
+    session = open_session(target, by_name[names[0]].drafter, device=device, layer_ids=layer_ids, head=head)
+    sessions = {name: session.with_drafter(by_name[name].drafter) for name in names}  # one target, one tap, each drafter
+    model, tap, eos_ids = session.model, session.tap, session.eos_ids
+    prompts = val_prompts(generated_val, config.num_prompts)
     verify_tokens, plans = {}, {}
     if config.verify_tokens is None and acceptance and prompts:
         costs = measure_forward_costs(model, prompts[0][1], max(by_name[name].drafter.config.block_size for name in names))
         for name in names:
             drafter = by_name[name].drafter
-            plans[name] = plan_verify_tokens(model, tap, drafter, drafter_proposer(drafter, head), prompts[0][1], acceptance[name],
+            plans[name] = plan_verify_tokens(model, tap, drafter, sessions[name].proposer(), prompts[0][1], acceptance[name],
                                              eos_ids=eos_ids, feature_dtype=feature_dtype, costs=costs)
             verify_tokens[name] = plans[name].tokens
     for name in names:
@@ -249,10 +240,10 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         verify_tokens.setdefault(name, min(config.verify_tokens or block - 1, block - 1))
 
     def chains(sampling=None):
-        return [(name, by_name[name].drafter, verified_prefix(drafter_proposer(by_name[name].drafter, head, sampling), verify_tokens[name]))
+        return [(name, by_name[name].drafter, sessions[name].proposer(sampling=sampling, verify_tokens=verify_tokens[name]))
                 for name in names]
 
-    trees = [(f"{name}/tree{budget}", by_name[name].drafter, tree_proposer(by_name[name].drafter, head, budget))
+    trees = [(f"{name}/tree{budget}", by_name[name].drafter, sessions[name].proposer(tree_budget=budget))
              for name in names for budget in config.tree_budgets]
     common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, feature_dtype=feature_dtype, progress=True)
     results = end_to_end(model, tap, chains() + trees, prompts, **common)
@@ -260,7 +251,7 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
     for temperature in [t for t in config.temperatures if t > 0]:
         sampling = Sampling(temperature, rule=config.sampling_rule, seed=config.seed)
         sampled[temperature] = end_to_end(model, tap, chains(sampling), prompts, sampling=sampling, **common)
-    tap.remove()
+    session.close()
     return {name: summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
                                      plan=plans.get(name)) for name in names}, results
 

@@ -1,0 +1,112 @@
+"""One decoding session: the target, its frozen head, the layer tap and a drafter, put together once.
+
+Speculative decoding needs five things that must agree: the target model (and its tokenizer), the
+target's frozen embedding and LM head (the drafter drafts through them), a tap on the decoder layers
+the drafter was trained on, the drafter itself, and a proposal function of that drafter for the
+mode at hand. The `generate` command, the evaluate stage's end-to-end decoding and the decoding
+benches all take them from here:
+
+    session = open_session(target, drafter, device="cpu")
+    propose = session.proposer()                                         # greedy chain, all B-1 tokens
+    propose = session.proposer(sampling=Sampling(0.7, rule="ratio"))     # sampled chain
+    propose = session.proposer(tree_budget=8)                            # greedy DDTree of 8 nodes
+    run = session.decode(prompt_ids, propose, max_new_tokens=128)
+    session.close()                                                      # removes the tap's hooks
+
+Several drafters that tap the same layers share one session (`with_drafter`): one target load.
+The decoding itself is `engine`'s; this module only assembles its inputs.
+"""
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from dflash_pipeline.decoding.engine import (
+    DecodeRun,
+    drafter_proposer,
+    greedy_decode,
+    speculative_decode,
+    tree_proposer,
+    verified_prefix,
+)
+from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.devices import bf16_by_default
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target.load import LayerTap, TargetHead, TargetInfo, load_target, load_target_head
+
+
+@dataclass(frozen=True)
+class DecodingSession:
+    """The target side of speculative decoding, loaded once, and the drafter that drafts for it."""
+
+    target: TargetInfo
+    model: torch.nn.Module  # the target causal LM, eval mode, on `device`
+    tokenizer: object
+    head: TargetHead  # the target's frozen embedding and LM head (bf16 on CUDA, fp32 on CPU)
+    tap: LayerTap  # hooks on the decoder layers the drafter reads (its target_layer_ids)
+    drafter: DFlashDrafter
+    device: str
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.target.eos_token_ids)
+
+    def with_drafter(self, drafter: DFlashDrafter) -> "DecodingSession":
+        """This session with another drafter on the same target, head and tap (it must read the same layers)."""
+        _check_taps(drafter, self.tap.layer_ids)
+        return replace(self, drafter=drafter.eval())
+
+    def proposer(self, *, sampling: Sampling | None = None, tree_budget: int | None = None, verify_tokens: int | None = None):
+        """The drafter's proposal function for one mode.
+
+        chain (default)   B-1 drafted tokens per step, the drafter's argmax (greedy; "match" rule);
+                          sampled from its distribution under the "ratio" rule (`sampling`)
+        tree_budget=N     a DDTree of the N most probable drafted prefixes (greedy only)
+        verify_tokens=k   a chain cut to its first k drafted tokens (at most B-1)
+        """
+        if tree_budget is not None:
+            if sampling is not None or verify_tokens is not None:
+                raise PipelineError("tree decoding is greedy and verifies the whole tree (no sampling, no verify_tokens)")
+            return tree_proposer(self.drafter, self.head, tree_budget)
+        propose = drafter_proposer(self.drafter, self.head, sampling)
+        if verify_tokens is not None:
+            propose = verified_prefix(propose, min(verify_tokens, self.drafter.config.block_size - 1))
+        return propose
+
+    def decode(self, prompt_ids: list[int], propose, *, max_new_tokens: int, sampling: Sampling | None = None,
+               feature_dtype: str = "bf16", on_tokens=None) -> DecodeRun:
+        """Speculative decoding of one prompt with `propose` (one of `proposer`'s)."""
+        return speculative_decode(self.model, self.tap, self.drafter, propose, prompt_ids, max_new_tokens=max_new_tokens,
+                                  eos_ids=self.eos_ids, feature_dtype=feature_dtype, sampling=sampling, on_tokens=on_tokens)
+
+    def plain(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling | None = None) -> DecodeRun:
+        """The target alone on one prompt (greedy, or sampled with `sampling`): the reference."""
+        return greedy_decode(self.model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, sampling=sampling)
+
+    def close(self) -> None:
+        """Remove the tap's hooks from the target model (the model itself is left to the caller)."""
+        self.tap.remove()
+
+
+def _check_taps(drafter: DFlashDrafter, layer_ids: list[int]) -> None:
+    if list(drafter.config.target_layer_ids) != list(layer_ids):
+        raise PipelineError(f"drafter reads target layers {list(drafter.config.target_layer_ids)}, "
+                            f"but the session taps {list(layer_ids)}")
+
+
+def open_session(target: TargetInfo, drafter: DFlashDrafter, *, device: str, layer_ids: list[int] | None = None,
+                 head: TargetHead | None = None) -> DecodingSession:
+    """Load the target (model, tokenizer, frozen head) on `device` and tap the layers `drafter` reads.
+
+    `layer_ids`, when given (e.g. the shards' layers), must be the drafter's own; `head`, when the
+    caller has already loaded it, is reused instead of being read again. The drafter is put in eval
+    mode; its contract with the target is the caller's to check (`evaluate.run.load_candidates`).
+    """
+    taps = list(drafter.config.target_layer_ids) if layer_ids is None else list(layer_ids)
+    _check_taps(drafter, taps)
+    if head is None:
+        head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    model, tokenizer = load_target(target, device=device)
+    return DecodingSession(target=target, model=model, tokenizer=tokenizer, head=head, tap=LayerTap(model, taps),
+                           drafter=drafter.eval(), device=device)

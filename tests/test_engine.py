@@ -1,0 +1,103 @@
+"""decoding/engine.py on the tiny Llama: plain decoding streams and stops where it should, a
+verified prefix cuts a proposal (and its q) to k tokens, a tree verify leaves the target's cache
+holding exactly the accepted path, and `end_to_end` runs every candidate on every prompt against
+one plain run, lossless at T = 0."""
+
+import pytest
+import torch
+
+from dflash_pipeline.decoding.engine import (
+    Proposal,
+    drafter_proposer,
+    end_to_end,
+    first_difference,
+    greedy_decode,
+    keep_path,
+    summarize_end_to_end,
+    verified_prefix,
+    verify_tree,
+)
+from dflash_pipeline.decoding.trees import ANCHOR, DraftTree
+from test_trees import plain_logits, prefilled
+
+
+@pytest.fixture
+def tiny_llama(tiny_target):
+    return tiny_target[0]
+
+
+def test_first_difference_is_the_first_parting_position_or_the_shorter_length():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 2, 3], [1]) == 1
+
+
+def test_greedy_decoding_streams_every_token_and_stops_at_an_eos_or_the_cap(tiny_target):
+    model, _, _, _, prompt = tiny_target
+    streamed = []
+    run = greedy_decode(model, prompt, max_new_tokens=6, eos_ids=set(), on_tokens=streamed.extend)
+    assert len(run.tokens) == 6 and streamed == run.tokens and 0 < run.prefill_seconds <= run.seconds
+    stopped = greedy_decode(model, prompt, max_new_tokens=6, eos_ids={run.tokens[2]})
+    assert stopped.tokens == run.tokens[:run.tokens.index(run.tokens[2]) + 1]  # the EOS is kept, nothing after it
+
+
+def test_a_verified_prefix_cuts_the_tokens_and_their_q_rows():
+    q = torch.rand(4, 10)
+    chain = verified_prefix(lambda cache, anchor: Proposal([7, 8, 9, 10]), 2)
+    sampled = verified_prefix(lambda cache, anchor: Proposal([7, 8, 9, 10], q), 3)
+    assert chain(None, 0).tokens == [7, 8] and chain(None, 0).q is None
+    cut = sampled(None, 0)
+    assert cut.tokens == [7, 8, 9] and torch.equal(cut.q, q[:3])
+    assert verified_prefix(lambda cache, anchor: Proposal([7, 8]), 5)(None, 0).q is None
+
+
+def test_end_to_end_runs_every_candidate_on_every_prompt_losslessly(tiny_target):
+    model, tap, head, drafter, prompt = tiny_target
+    prompts = [("a", prompt), ("b", prompt[:5])]
+    candidates = [("chain", drafter, drafter_proposer(drafter, head)), ("k1", drafter, verified_prefix(drafter_proposer(drafter, head), 1))]
+    results = end_to_end(model, tap, candidates, prompts, max_new_tokens=8, eos_ids=set(), feature_dtype="bf16")
+    assert [r.prompt_id for r in results] == ["a", "b"] and all(set(r.speculative) == {"chain", "k1"} for r in results)
+    for name in ("chain", "k1"):
+        summary = summarize_end_to_end(results, name)
+        assert summary.lossless_rate == 1.0 and summary.prompts == 2 and summary.mismatches == []
+    assert all(max(r.speculative["k1"].steps) <= 2 for r in results)  # one drafted token and the bonus per step
+
+
+def test_after_a_tree_verify_the_cache_holds_exactly_the_accepted_path(tiny_llama):
+    prompt, anchor = [1, 504, 3112, 314, 253], 1345
+    first = int(plain_logits(tiny_llama, prompt + [anchor]).argmax())
+    second = int(plain_logits(tiny_llama, prompt + [anchor, first]).argmax())
+    bonus = int(plain_logits(tiny_llama, prompt + [anchor, first, second]).argmax())
+    decoys = [t for t in (40, 41, 42) if t not in (first, second)]
+    # the accepted branch is grown second, so its nodes (1, 3) must be moved down in the cache
+    tree = DraftTree(tokens=[decoys[0], first, decoys[1], second], parents=[ANCHOR, ANCHOR, 0, 1], depths=[0, 0, 1, 1])
+    cache = prefilled(tiny_llama, prompt)
+    with torch.no_grad():
+        path, token = verify_tree(tiny_llama, cache, tree, anchor, len(prompt))
+    assert path == [1, 3] and token == bonus
+    reference = prefilled(tiny_llama, prompt + [anchor, first, second])
+    assert cache.get_seq_length() == reference.get_seq_length() == len(prompt) + 3
+    for ours, theirs in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-4, atol=1e-4)
+
+
+def test_keep_path_leaves_a_prefix_of_the_node_order_in_place_and_drops_the_rest():
+    from types import SimpleNamespace
+
+    keys = torch.arange(10.0).view(1, 1, 10, 1)
+    layer = SimpleNamespace(keys=keys.clone(), values=keys.clone())
+
+    class Cache:
+        layers = [layer]
+
+        def get_seq_length(self):
+            return layer.keys.shape[-2]
+
+        def crop(self, remove):
+            layer.keys, layer.values = layer.keys[..., :remove, :], layer.values[..., :remove, :]
+
+    keep_path(Cache(), 4, [1, 4])  # nodes start at entry 4: keep entries 5 and 8 after the first four
+    assert layer.keys.flatten().tolist() == [0, 1, 2, 3, 5, 8]
+    keep_path(Cache(), 4, [])  # every node rejected
+    assert layer.keys.flatten().tolist() == [0, 1, 2, 3]

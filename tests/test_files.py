@@ -1,0 +1,76 @@
+"""files.py: atomic writes leave the old file or the new one, never half of either; a resumable
+folder is kept only for the same record; JSON errors are one line naming the file."""
+
+import json
+
+import pytest
+
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import (
+    atomic_path,
+    format_bytes,
+    read_json,
+    reuse_or_reset,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
+
+
+def test_atomic_writes_replace_the_file_and_leave_no_tmp(tmp_path):
+    path = tmp_path / "out.json"
+    write_text_atomic(path, "old")
+    write_json_atomic(path, {"b": 1, "a": [1, 2]})
+    assert path.read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'  # sorted keys: byte-stable
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_atomic_path_keeps_the_old_file_when_the_writer_fails(tmp_path):
+    path = tmp_path / "plot.png"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(path) as tmp:
+            assert tmp.suffix == ".png" and tmp != path  # the writer picks its format by the suffix
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+    with atomic_path(path) as tmp:
+        tmp.write_text("new")
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+
+
+def test_sha256_file_reads_in_chunks_as_one_digest(tmp_path):
+    import hashlib
+
+    data = bytes(range(256)) * 1000
+    (tmp_path / "blob").write_bytes(data)
+    assert sha256_file(tmp_path / "blob", chunk=1000) == sha256_file(tmp_path / "blob") == hashlib.sha256(data).hexdigest()
+
+
+def test_reuse_or_reset_keeps_a_folder_of_the_same_record_only(tmp_path):
+    folder = tmp_path / "chunks"
+    assert reuse_or_reset(folder, "record.json", {"seed": 0}, "chunk-*") == 0
+    (folder / "chunk-0").write_text("done")
+    (folder / "chunk-1.tmp").write_text("killed writer")
+    assert reuse_or_reset(folder, "record.json", {"seed": 0}, "chunk-*") == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["chunk-0", "record.json"]
+    assert reuse_or_reset(folder, "record.json", {"seed": 1}, "chunk-*") == 1  # other settings: start over
+    assert sorted(p.name for p in folder.iterdir()) == ["record.json"]
+    assert json.loads((folder / "record.json").read_text()) == {"seed": 1}
+
+
+def test_read_json_failures_are_one_line_naming_the_file(tmp_path):
+    with pytest.raises(PipelineError, match=r"nope.json: no such run"):
+        read_json(tmp_path / "nope.json", missing="no such run")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(PipelineError, match=r"bad.json: not valid JSON \(") as caught:
+        read_json(tmp_path / "bad.json", missing="-")
+    assert "\n" not in str(caught.value)
+    write_json_atomic(tmp_path / "good.json", {"step": 3})
+    assert read_json(tmp_path / "good.json", missing="-") == {"step": 3}
+
+
+@pytest.mark.parametrize("count, text", [(0, "0.0 B"), (1023, "1023.0 B"), (1536, "1.5 KB"), (3 * 1024**3, "3.0 GB"),
+                                         (5 * 1024**5, "5120.0 TB")])
+def test_format_bytes_in_powers_of_1024(count, text):
+    assert format_bytes(count) == text

@@ -1,0 +1,118 @@
+"""target/folder.py: config.json and tokenizer_config.json spelled for transformers 4.x and 5.x alike,
+and a user's folder whose two spellings disagree refused before any stage trusts it."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_pipeline.config import TargetConfig
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target.folder import forward_fields, with_both_spellings
+from dflash_pipeline.target.load import prepare_target
+
+# tokenizer_class values that transformers 4.57's AutoTokenizer resolves to a fast tokenizer built
+# from tokenizer.json: "PreTrainedTokenizerFast" (its tokenizer_class_from_name returns that class
+# by name) and the GPT2 classes (listed in its TOKENIZER_MAPPING_NAMES; the hub's SmolLM2 names
+# GPT2Tokenizer). 5.x's "TokenizersBackend" is not one: 4.57.1 raises "Tokenizer class
+# TokenizersBackend does not exist or is not currently imported".
+TOKENIZER_CLASSES_4X_KNOWS = ("PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast")
+
+
+def tiny_with_config(source, folder, edit):
+    """A copy of the tiny model `source` at `folder` whose config.json is `edit(config)`."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(edit(config), indent=2))
+    return folder
+
+
+def config_as_5x_reads_it(config: dict, folder):
+    """`config` as transformers 5 loads it (from `folder`/config.json), minus where it was loaded from."""
+    from transformers import AutoConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = AutoConfig.from_pretrained(folder).to_dict()
+    loaded.pop("_name_or_path", None)
+    return loaded
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 100000.0},
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+])
+def test_both_spellings_read_the_same_under_4x_and_5x_and_change_nothing_5x_reads(tiny_llama_dir, tmp_path, rope_parameters):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    only_5x = tiny_with_config(tiny_llama_dir, tmp_path / "only-5x", lambda config: {**config, "rope_parameters": rope_parameters})
+    assert forward_fields(json.loads((only_5x / "config.json").read_text()), reader="4.x")["rope_theta"] == 10000.0
+    both = tiny_with_config(only_5x, tmp_path / "both", lambda config: with_both_spellings(config, where=only_5x / "config.json"))
+    config = json.loads((both / "config.json").read_text())
+    old, new = forward_fields(config, reader="4.x"), forward_fields(config, reader="5.x")
+    assert old == new
+    assert (old["rope_theta"], old["rope_scaling"]["rope_type"]) == (rope_parameters["rope_theta"], rope_parameters["rope_type"])
+    assert (old["rms_norm_eps"], old["tie_word_embeddings"], old["vocab_size"], old["dtype"]) == (1e-6, True, 49152, "float32")
+    # transformers 5 reads exactly what it read before the 4.x spellings were added: same config, same logits.
+    only_5x_config = json.loads((only_5x / "config.json").read_text())
+    assert config_as_5x_reads_it(config, tmp_path / "read-both") == config_as_5x_reads_it(only_5x_config, tmp_path / "read-5x")
+    ids = torch.tensor([[1, 200, 3000, 45000, 7, 2]])
+    with torch.inference_mode():
+        logits = [AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids).logits for folder in (only_5x, both)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+
+def _theta(config, value):
+    return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": value}}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: {**_theta(c, 100000.0), "rope_theta": 10000.0},
+     "rope_theta (10000.0) and rope_parameters.rope_theta (100000.0) disagree"),
+    (lambda c: _theta(c, 100000.0), "transformers 4.x reads rope_theta as 10000.0 (from rope_theta, absent) but 5.x as 100000.0"),
+    (lambda c: {**_theta(c, 10000.0), "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_scaling ({'rope_type': 'linear', 'factor': 2.0}) and rope_parameters ({'rope_type': 'default'}) disagree"),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+     "transformers 4.x reads rope_scaling as {'rope_type': 'default'} (from rope_scaling, absent)"),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+     "transformers 4.x reads partial_rotary_factor as 1.0"),
+    (lambda c: {**c, "torch_dtype": "bfloat16"}, "torch_dtype ('bfloat16') and dtype ('float32') disagree"),
+], ids=["theta-both-differ", "theta-only-5x", "scaling-vs-parameters", "scaling-only-5x", "rotary-fraction-only-5x", "dtype"])
+def test_user_folder_whose_4x_and_5x_spellings_disagree_is_refused(tiny_llama_dir, tmp_path, edit, message):
+    folder = tiny_with_config(tiny_llama_dir, tmp_path / "model", edit)
+    with pytest.raises(PipelineError) as error:
+        prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")
+    text = str(error.value)
+    assert text.startswith(f"{folder.resolve() / 'config.json'}: ") and message in text and "\n" not in text
+    assert not (tmp_path / "t" / "target.json").exists()
+
+
+@pytest.mark.parametrize("edit", [
+    # What most hub folders hold today: the 4.x spelling only, which 5.x falls back to.
+    lambda c: {**{k: v for k, v in c.items() if k not in ("rope_parameters", "dtype")},
+               "rope_theta": 100000.0, "rope_scaling": None, "torch_dtype": "float32"},
+    lambda c: with_both_spellings(_theta(c, 100000.0), where=Path("config.json")),
+    lambda c: {**c, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 10000.0,
+               "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+], ids=["4x-only", "both-spellings", "legacy-type-key"])
+def test_user_folder_that_reads_the_same_under_4x_and_5x_is_accepted(tiny_llama_dir, tmp_path, edit):
+    folder = tiny_with_config(tiny_llama_dir, tmp_path / "model", edit)
+    assert prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")["num_layers"] == 4
+
+
+def test_tokenizer_config_is_respelled_for_4x_and_a_class_it_cannot_vouch_for_is_refused(tmp_path):
+    from dflash_pipeline.target.folder import tokenizer_config_conflict, tokenizer_config_for_both
+
+    where = tmp_path / "tokenizer_config.json"
+    written_by_5x = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "eos_token": "<|im_end|>",
+                     "extra_special_tokens": ["<file_sep>"], "is_local": True, "local_files_only": True}
+    assert tokenizer_config_conflict(written_by_5x)
+    both = tokenizer_config_for_both(written_by_5x, where=where)
+    assert both == {"additional_special_tokens": ["<file_sep>"], "backend": "tokenizers", "eos_token": "<|im_end|>",
+                    "tokenizer_class": "PreTrainedTokenizerFast"}
+    assert list(both) == sorted(both) and tokenizer_config_conflict(both) is None
+    assert both["tokenizer_class"] in TOKENIZER_CLASSES_4X_KNOWS
+    with pytest.raises(PipelineError, match="tokenizer_class 'LlamaTokenizer'"):
+        tokenizer_config_for_both({**written_by_5x, "tokenizer_class": "LlamaTokenizer"}, where=where)

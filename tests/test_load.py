@@ -1,0 +1,95 @@
+"""target/load.py: a target resolved and fingerprinted (a local folder referenced, never copied),
+missing models failing fast in one line, and the layer taps' convention (DFlash's default ids;
+id i is the output of decoder layer i)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from dflash_pipeline.config import TargetConfig
+from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.target.load import LayerTap, TargetInfo, build_target_layer_ids, fingerprint_target, load_target, prepare_target
+
+
+def test_local_folder_is_referenced_not_copied(tiny_llama_dir, tmp_path):
+    info = prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=tmp_path / "target")
+    assert sorted(p.name for p in (tmp_path / "target").iterdir()) == ["target.json"]
+    assert info["path"] == str(tiny_llama_dir.resolve())
+    assert (info["architecture"], info["num_layers"], info["hidden_size"], info["vocab_size"]) == ("LlamaForCausalLM", 4, 64, 49152)
+    loaded = TargetInfo.from_json(tmp_path / "target" / "target.json")
+    assert loaded.path == tiny_llama_dir.resolve() and loaded.eos_token_ids == (2,)
+
+
+def test_fingerprint_is_stable_and_tracks_config_weights_tokenizer_and_template(tiny_llama_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    base = fingerprint_target(model, name="m", recorded_path="m")
+    assert fingerprint_target(model, name="m", recorded_path="m") == base
+
+    def changed(component, edit):
+        edit()
+        after = fingerprint_target(model, name="m", recorded_path="m")
+        assert after["hashes"][component] != base["hashes"][component]
+        assert after["fingerprint"] != base["fingerprint"]
+        return after
+
+    config = json.loads((model / "config.json").read_text())
+    changed("config", lambda: (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5})))
+    template = model / "chat_template.jinja"
+    changed("chat_template", lambda: template.write_text(template.read_text() + "{{ '' }}"))
+    tokenizer_config = model / "tokenizer_config.json"
+    changed("tokenizer", lambda: tokenizer_config.write_text(tokenizer_config.read_text().replace("}", ', "x_note": 1}', 1)))
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model / "model.safetensors")
+    weights["extra.bias"] = torch.zeros(3)
+    changed("weights", lambda: save_file(weights, model / "model.safetensors", metadata={"format": "pt"}))
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("/nonexistent/model-dir", "no such folder, not a hub id"),
+        ("someorg/some-model-that-is-not-cached", "not in the Hugging Face cache and hub downloads are off"),
+    ],
+)
+def test_missing_model_fails_fast_with_one_line(tmp_path, name, message, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(PipelineError) as error:
+        prepare_target(TargetConfig(model=name), out_dir=tmp_path / "t")
+    assert message in str(error.value) and name in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "t" / "target.json").exists()
+
+
+def test_folder_without_weights_is_refused(tiny_llama_dir, tmp_path):
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", folder / "config.json")
+    with pytest.raises(PipelineError, match="no \\*.safetensors"):
+        prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")
+
+
+def test_default_layer_ids_follow_dflash():
+    assert build_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(30, 1) == [15]
+    assert build_target_layer_ids(4, 2) == [1, 1]  # degenerate, refused later as a repeat
+
+
+def test_layer_id_i_is_output_hidden_states_i_plus_1(tiny_llama_target):
+    """Pins the convention against a hand-run forward, including the last layer (after the norm)."""
+    model, _ = load_target(tiny_llama_target)
+    ids = torch.randint(0, 49152, (2, 9), generator=torch.Generator().manual_seed(0))
+    layer_ids = [0, 1, 2, 3]
+    tap = LayerTap(model, layer_ids)
+    with torch.inference_mode():
+        reference = model(ids, output_hidden_states=True)
+        model.get_decoder()(input_ids=ids)
+    tap.remove()
+    for layer_id in layer_ids:
+        assert torch.equal(tap.outputs[layer_id], reference.hidden_states[layer_id + 1]), layer_id
+    assert not torch.equal(tap.outputs[0], reference.hidden_states[0])  # not the embeddings

@@ -1,0 +1,37 @@
+"""stats.py: the 95% interval by hand, every prompt weighted once, and paired differences that
+cancel the spread between prompts."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dflash_pipeline.stats import mean_ci95, mean_ci95_over_prompts, paired_difference, per_prompt_means
+
+
+def test_mean_ci95_by_hand():
+    mean, half = mean_ci95([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5
+    assert half == pytest.approx(1.96 * math.sqrt((1.5**2 + 0.5**2 + 0.5**2 + 1.5**2) / 3 / 4))
+    assert mean_ci95([5.0]) == (5.0, math.inf)
+    assert all(math.isnan(x) for x in mean_ci95([]))
+
+
+def test_every_prompt_counts_once_however_many_blocks_it_has():
+    values = np.array([1.0, 1.0, 1.0, 1.0, 3.0])
+    prompt = np.array(["b", "b", "b", "b", "a"])
+    assert per_prompt_means(values, prompt) == [3.0, 1.0]  # ascending prompt order
+    mean, _ = mean_ci95_over_prompts(values, prompt)
+    assert mean == 2.0 != values.mean()
+
+
+def test_a_paired_difference_cancels_the_spread_between_prompts_and_skips_unshared_prompts():
+    prompt = np.array(["p1", "p1", "p2", "p3", "p3"])
+    reference = np.array([1.0, 3.0, 10.0, 5.0, 5.0])  # prompts of very different difficulty
+    better = reference + 0.5
+    mean, half, prompts = paired_difference(better, prompt, reference, prompt)
+    assert (mean, prompts) == (pytest.approx(0.5), 3) and half == pytest.approx(0.0)
+    _, unpaired = mean_ci95_over_prompts(better, prompt)
+    assert unpaired > 1.0  # each side alone is wide; the difference is exact
+    extra = paired_difference(np.append(better, 99.0), np.append(prompt, "p4"), reference, prompt)
+    assert extra[0] == pytest.approx(0.5) and extra[2] == 3  # p4 was scored by one side only
