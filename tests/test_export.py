@@ -473,7 +473,7 @@ def test_published_dflash2_folders_load_as_baselines(tmp_path):
 DFLASH2_LOADER_FAULTS = {
     "no selector rank": (_edit_config(dflash_config={"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "conv_kernel_size": 3,
                                                      "conv_group_size": 8, "selector_top_k": 5}),
-                         ["config.json", "dflash_config.options.selector_rank"]),
+                         ["config.json", "dflash_config.selector_rank"]),
     "softcapped logits": (_edit_config(final_logit_softcapping=30.0), ["config.json", "final_logit_softcapping"]),
     "uneven groups": (_edit_config(dflash_config={"mask_token_id": 96, "target_layer_ids": [0, 2, 3], "conv_kernel_size": 3,
                                                   "conv_group_size": 5, "selector_rank": 6, "selector_top_k": 5}),
