@@ -23,7 +23,8 @@ def test_committed_params_load_and_match_the_dataclass_defaults():
 
             resolved, defaults = choose_architecture(params.train), choose_architecture(expected)
             assert (resolved.options, resolved.loss_options) == (defaults.options, defaults.loss_options)
-            expected = replace(expected, options=params.train.options)
+            assert resolved.member.name == params.train.architecture  # the family's default is params.yaml's choice
+            expected = replace(expected, architecture=params.train.architecture, options=params.train.options)
         assert getattr(params, name) == expected, name
 
 

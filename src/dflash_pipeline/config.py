@@ -138,8 +138,8 @@ class TrainConfig:
     # (1 - α)·one-hot + α·p_target (0 = plain CE on the answer tokens).
     distill_weight: float = 0.5
     # The drafter architecture: a member of the family (src/dflash_pipeline/drafters/family.py
-    # lists them; params.yaml says what each is).
-    architecture: str = "dflash2"
+    # lists them; params.yaml says what each is). None: the family's default member (family.DEFAULT).
+    architecture: str | None = None
     # Per architecture, its own options: {name: {key: value}}; only the chosen one's are read,
     # missing keys take the defaults in its module (drafters/<name>.py), unknown keys stop the run.
     options: dict = dataclasses.field(default_factory=dict)

@@ -35,14 +35,15 @@ class ArchitectureChoice:
 def choose_architecture(config: TrainConfig, *, source: str = "params.yaml") -> ArchitectureChoice:
     """The member `train.architecture` names, with its options from `train.options`: a name the
     family does not know, or a bad option of any architecture listed there, stops with its key."""
-    if config.architecture not in family.names():
-        raise PipelineError(f"{source}: key 'train.architecture' must be one of {', '.join(family.names())}, got {config.architecture!r}")
+    name = config.architecture if config.architecture is not None else family.DEFAULT
+    if name not in family.names():
+        raise PipelineError(f"{source}: key 'train.architecture' must be one of {', '.join(family.names())}, got {name!r}")
     unknown = sorted(set(config.options) - set(family.names()))
     if unknown:
         raise PipelineError(f"{source}: unknown key 'train.options.{unknown[0]}' (architectures: {', '.join(family.names())})")
-    for name, raw in config.options.items():  # the others too: a typo in one is caught before it is chosen
-        family.architecture(name).train_options(raw, source=source)
-    member = family.architecture(config.architecture)
+    for listed, raw in config.options.items():  # the others too: a typo in one is caught before it is chosen
+        family.architecture(listed).train_options(raw, source=source)
+    member = family.architecture(name)
     options, loss_options = member.train_options(config.options.get(member.name), source=source)
     return ArchitectureChoice(member, options, loss_options)
 

@@ -17,6 +17,9 @@ _MEMBERS: dict = {}  # name -> Architecture, in registration order
 # A serialised drafter config that names no architecture was written before the family existed:
 # it is plain DFlash.
 UNNAMED = "dflash"
+# The member a train config gets when it names none (params.yaml names it explicitly): DFlash2,
+# +0.10 τ over DFlash at equal CPU time (docs/studies.md).
+DEFAULT = "dflash2"
 
 
 def register(member) -> None:
