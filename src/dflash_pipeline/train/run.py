@@ -313,8 +313,9 @@ def train_step(run: TrainingRun, step: int) -> dict:
     drafter_config = run.drafter.config  # the block geometry's one source once the drafter exists
     batch = build_batch(samples, anchors_per_sequence=config.anchors_per_sequence, block_size=drafter_config.block_size,
                         mask_token_id=run.mask_token_id, anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
-                        sliding_window=drafter_config.sliding_window).to(device)
-    targets = training_targets(batch, samples, run.gamma)
+                        sliding_window=drafter_config.sliding_window)
+    targets = training_targets(batch, samples, run.gamma)  # from the host copy: no device read-back
+    batch = batch.to(device)
     weight_total = _all_reduce(targets.weights.sum().to(device), world)
     with autocast(device, run.bf16):
         step_loss = block_loss(run.drafter, run.head, batch, targets, logits_chunk=config.logits_chunk, weight_total=weight_total,
