@@ -28,22 +28,23 @@ class _Source:
         return self.sample(index)
 
 
-def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, gamma, device, attention):
+def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, gamma, device, attention, lengths):
     """The stage's own `train_step` over `plan`, with samples from `sample(i)`."""
     import torch
 
     from dflash_pipeline.devices import timed
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.drafters.build import choose_architecture
-    from dflash_pipeline.train.run import TrainingRun, train_step
+    from dflash_pipeline.train.run import TrainingRun, _loss_function, read_back, train_step
 
     drafter = DFlashDrafter(drafter_state["config"]).to(device)
     drafter.load_state_dict(drafter_state["weights"])
     run = TrainingRun(config=replace(config, max_steps=len(plan)), drafter=drafter, head=head, vocabulary=vocabulary,
-                      optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95)), train_set=_Source(sample),
-                      val_set=None, plan=plan, mask_token_id=mask_token_id, gamma=gamma, record={}, device=device, attention=attention,
-                      loss_options=choose_architecture(config).loss_options)
-    rows, seconds = timed(lambda: [train_step(run, step) for step in range(len(plan))], device)
+                      optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95), fused=True),
+                      train_set=_Source(sample), val_set=None, plan=plan, mask_token_id=mask_token_id, gamma=gamma, record={}, device=device,
+                      attention=attention, loss_options=choose_architecture(config).loss_options, lengths=lengths)
+    run.loss_fn = _loss_function(run)
+    rows, seconds = timed(lambda: read_back(run, [train_step(run, step) for step in range(len(plan))]), device)
     return seconds, sum(row["context_tokens"] for row in rows), sum(row["trained_positions"] for row in rows), drafter
 
 
@@ -91,12 +92,13 @@ def main(hidden, target_json, steps, rounds, device):
           f"{vocabulary.head_rows.shape[0]} tokens, {attention} attention, {device}, torch threads {torch.get_num_threads()}")
 
     loader = open_split(hidden / "train", verify="none")
+    lengths = dataset.lengths()
     sources = {"shard loader": lambda i: loader[i], "in memory": lambda i: in_memory[i]}
-    _run(sources["in memory"], plan[:2], config, state, head, vocabulary, mask_token_id, gamma, device, attention)  # warm-up
+    _run(sources["in memory"], plan[:2], config, state, head, vocabulary, mask_token_id, gamma, device, attention, lengths)  # warm-up
     totals = {name: [0.0, 0, 0] for name in sources}
     for round_index in range(rounds):
         for name, source in sources.items():
-            seconds, context_tokens, trained, drafter = _run(source, plan, config, state, head, vocabulary, mask_token_id, gamma, device, attention)
+            seconds, context_tokens, trained, drafter = _run(source, plan, config, state, head, vocabulary, mask_token_id, gamma, device, attention, lengths)
             totals[name][0] += seconds
             totals[name][1] += context_tokens
             totals[name][2] += trained

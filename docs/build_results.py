@@ -247,12 +247,35 @@ DVC_COSTS = [
     Table("Projected from the recheck (2026-12-04)", f"{STUDY}/dvc_costs_recheck.json", PROJECTION, rows="projection.*"),
 ]
 
+HOST_PATHS = [
+    Table("A GPU train step's host work, 16K context tokens, block 16 (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
+        ("machine", "machine", "{}"), ("sequences", "train.sequences", "{}"), ("blocks", "train.blocks", INT),
+        ("dense mask", "train.dense_mask_mb", "{:.0f} MB"), ("metadata", "train.metadata_kb", "{:.0f} KB"),
+        ("per-anchor batch + mask ms", "train.per_anchor_with_dense_mask_ms", "{:.0f}"), ("vectorised ms", "train.vectorised_ms", "{:.1f}"),
+        ("speedup", "train.speedup_batch_building", "{:.1f}x"), ("BlockMask from metadata ms", "train.block_mask_from_metadata_ms", "{:.1f}"),
+        ("tensors equal", "train.tensors_equal", yes_no),
+    ]),
+    Table("The capture writer (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
+        ("tokens", "capture_writer.tokens", INT), ("element by element µs/token", "capture_writer.elementwise_us_per_token", F2),
+        ("zero-copy, hashed while written µs/token", "capture_writer.zero_copy_us_per_token", F2),
+        ("speedup", "capture_writer.speedup", "{:.2f}x"), ("same sha256", "capture_writer.same_sha256", yes_no),
+    ]),
+    Table("The CPU stages against the commit before (bench/cpu_before_after.py)", f"{STUDY}/cpu_before_after.json", [
+        ("machine", "machine", "{}"), ("baseline", "baseline", "`{}`"), ("sequences", "sequences", "{}"), ("rounds", "rounds", "{}"),
+        ("capture tokens/s, now / before", "capture_tokens_per_s_ratio", F3), ("train ms/step, now / before", "train_step_time_ratio", F3),
+        ("shards byte-identical", "shards_identical", yes_no), ("largest loss difference", "max_relative_loss_difference", "{:.1e}"),
+    ], note="The real target, a fabricated generate output of the default run's lengths, params.yaml's settings; each version "
+            "in its own process, alternating. Goals: both ratios no worse than 1 (capture >= 1, train <= 1), within noise."),
+]
+
 SECTIONS = [
     ("The committed run", "`make repro` of the commit's code: its `data/metrics`, `data/plots` and `dvc.lock`.", COMMITTED),
     ("Training studies", "`bench/train_study.py` and `bench/compute_curve.py`; what they showed is in "
                          "[studies.md](studies.md).", STUDIES),
     ("What DVC costs", "`bench/dvc_costs.py`; what it showed is in [team-setup.md](team-setup.md#big-outputs-what-dvc-costs-and-the-cheap-defaults).",
      DVC_COSTS),
+    ("The GPU path's host work", "What a GPU train step and capture batch waited for, before and after issue #27, measured on a CPU; "
+                                 "what changed is in [gpu.md](gpu.md#the-train-step-and-capture-without-host-waits).", HOST_PATHS),
 ]
 
 

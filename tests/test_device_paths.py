@@ -86,7 +86,7 @@ def test_flex_backward_is_a_gpu_only_branch():
 
 
 def _one_step(tiny_run, tmp_path, bf16: bool):
-    from dflash_pipeline.train.run import setup_run, train_step
+    from dflash_pipeline.train.run import read_back, setup_run, train_step
 
     from test_train import TINY_TRAIN
 
@@ -94,7 +94,7 @@ def _one_step(tiny_run, tmp_path, bf16: bool):
     run = setup_run(TINY_TRAIN, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
                     out_dir=tmp_path / ("bf16" if bf16 else "fp32"), device="cpu", log=lambda *_: None)
     run.bf16 = bf16
-    row = train_step(run, 0)
+    (row,) = read_back(run, [train_step(run, 0)])
     gradients = torch.cat([p.grad.flatten() for p in run.drafter.parameters() if p.grad is not None])
     return row, gradients
 
@@ -241,8 +241,12 @@ def test_gpu_bench_dry_run(tmp_path):
                              "--json", str(out)], cwd=tmp_path, env=stage_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     figures = json.loads(out.read_text())
+    assert "section_errors" not in figures, figures["section_errors"]
+    assert figures["sections_done"] == ["capture / forward", "train step", "train + evaluate", "scoring"]
     for key in ("capture_vs_forward", "train_tokens_per_s", "train_mfu", "flex_vs_sdpa_step", "batched_vs_one_block",
-                "e2e_speedup", "verify_cost_decode_steps", "pipeline_tau"):
+                "e2e_speedup", "verify_cost_decode_steps", "pipeline_tau", "scoring_vs_host_dense_mask", "train_host_prepare_ms"):
         assert key in figures, key
+    assert set(figures["train_variants"]) == {"sdpa", "sdpa-compiled"}  # the compiled step runs (inductor on the CPU)
     assert figures["e2e_lossless_rate"] == 1.0 and figures["pipeline_tau"] >= 1.0
+    assert figures["scoring_same_tau_as_host_dense_mask"] is True
     assert "capture / forward" in result.stdout

@@ -160,33 +160,82 @@ def _head_outputs(model, flat, *, top_k: int, logits_chunk: int):
     return (torch.cat(argmax), torch.cat(ids) if ids else empty.long(), torch.cat(logprobs) if logprobs else empty.float())
 
 
-def forward_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, top_k: int = 0, logits_chunk: int = 2048) -> list[Captured]:
-    """Run one right-padded batch; return each sequence's `Captured` outputs.
+@dataclass
+class CapturedBatch:
+    """One padded batch's outputs on the host, one tensor per column (`rows` slices them per
+    sequence as views). On a GPU each column came back in one non-blocking copy into pinned
+    memory; `wait` blocks until those copies have landed (the one wait of a batch)."""
+
+    lengths: list[int]
+    features: "object"  # [rows, width, W]: bf16 when the shards store bf16, else the compute dtype
+    target_next: "object"  # [rows, width] int32
+    topk_ids: "object"  # [rows, width, K] int32
+    topk_logprobs: "object"  # [rows, width, K] float32
+    copied: "object" = None  # a CUDA event recorded after the copies, or None
+
+    def wait(self) -> "CapturedBatch":
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+        return self
+
+    def rows(self) -> list["Captured"]:
+        self.wait()
+        return [Captured(self.features[row, :length], self.target_next[row, :length], self.topk_ids[row, :length],
+                         self.topk_logprobs[row, :length]) for row, length in enumerate(self.lengths)]
+
+
+def _to_host(tensor, dtype):
+    """`tensor` as `dtype` on the host: itself on a CPU; on a GPU converted there, then one
+    non-blocking copy into pinned memory (the caller waits on an event before reading it)."""
+    import torch
+
+    tensor = tensor.to(dtype)
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def capture_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, top_k: int = 0, logits_chunk: int = 2048,
+                  feature_dtype: str | None = None) -> CapturedBatch:
+    """Run one right-padded batch; its outputs start on their way to the host (see CapturedBatch).
 
     Right padding needs no attention mask: with causal attention a real token never sees the
     padding after it. The LM head runs in chunks of positions, so [tokens, vocab] logits for the
-    whole batch never exist at once.
+    whole batch never exist at once. With `feature_dtype` "bf16" the features are rounded to bf16
+    on the device (half the bytes to copy; the same rounding the writer would do).
     """
     import torch
 
     device = next(model.parameters()).device
-    width = max(len(s.input_ids) for s in batch)
+    lengths = [len(s.input_ids) for s in batch]
+    width = max(lengths)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     for row, sequence in enumerate(batch):
-        input_ids[row, : len(sequence.input_ids)] = torch.tensor(sequence.input_ids)
+        input_ids[row, : lengths[row]] = torch.tensor(sequence.input_ids)
     with torch.inference_mode():
         hidden = model.get_decoder()(input_ids=input_ids.to(device), use_cache=False).last_hidden_state
         flat = hidden.reshape(-1, hidden.shape[-1])
         next_tokens, topk_ids, topk_logprobs = _head_outputs(model, flat, top_k=top_k, logits_chunk=logits_chunk)
-        next_tokens = next_tokens.view(len(batch), width)
-        topk_ids, topk_logprobs = topk_ids.view(len(batch), width, top_k), topk_logprobs.view(len(batch), width, top_k)
         features = tap.features()
-    results = []
-    for row, sequence in enumerate(batch):
-        length = len(sequence.input_ids)
-        results.append(Captured(features[row, :length].to("cpu"), next_tokens[row, :length].to("cpu", torch.int32),
-                                topk_ids[row, :length].to("cpu", torch.int32), topk_logprobs[row, :length].to("cpu", torch.float32)))
-    return results
+        result = CapturedBatch(
+            lengths,
+            _to_host(features, torch.bfloat16 if feature_dtype == "bf16" else features.dtype),
+            _to_host(next_tokens.view(len(batch), width), torch.int32),
+            _to_host(topk_ids.view(len(batch), width, top_k), torch.int32),
+            _to_host(topk_logprobs.view(len(batch), width, top_k), torch.float32),
+        )
+        if device.type == "cuda":
+            result.copied = torch.cuda.Event()
+            result.copied.record()
+    return result
+
+
+def forward_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, top_k: int = 0, logits_chunk: int = 2048) -> list[Captured]:
+    """Run one right-padded batch; return each sequence's `Captured` outputs (on the host)."""
+    return capture_batch(model, tap, batch, pad_id=pad_id, top_k=top_k, logits_chunk=logits_chunk).rows()
 
 
 def capture_settings(config: CaptureConfig, target: TargetInfo, layer_ids: list[int], compute_dtype: str) -> dict:
@@ -324,28 +373,81 @@ def _prepare_split(plan: SplitPlan, sequences: list[Sequence], *, split: str, ou
 
 def _write_shards(numbers: list[int], plan: SplitPlan, sequences: list[Sequence], *, split: str, out_dir: Path, model, tap,
                   feature_dtype: str, pad_id: int, show_progress: bool) -> None:
-    """Write the given shards, each under a temporary name renamed into place when complete."""
+    """Write the given shards, each under a temporary name renamed into place when complete.
+
+    On a GPU a writer thread encodes, writes and hashes batch n while the device runs batch n + 1
+    (at most two batches in flight); on a CPU the thread would take cores from the forward, so
+    the same work runs inline."""
     from dflash_pipeline.progress import progress
 
     bar = progress(total=sum(plan.shard_tokens[n] for n in numbers), unit="tok", unit_scale=True, desc=f"capture {split}",
                    disable=not show_progress or not numbers)
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    background = BackgroundWork(depth=2) if on_gpu else None
+    writers: list[ShardWriter] = []
+
+    def write_batch(writer: ShardWriter, batch: list[Sequence], captured: CapturedBatch) -> None:
+        for sequence, out in zip(batch, captured.rows()):
+            writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, out.target_next.numpy(), out.features,
+                         out.topk_ids.numpy(), out.topk_logprobs.numpy())
+        bar.update(sum(captured.lengths))
+
+    def run(task, *args) -> None:
+        if background is None:
+            task(*args)
+        else:
+            background.submit(task, *args)
+
     try:
         for number in numbers:
             writer = ShardWriter(out_dir / _shard_name(number), feature_dtype=feature_dtype, feature_width=plan.feature_width,
                                  top_k=plan.top_k)
-            try:
-                for batch_indices in plan.shards[number]:
-                    batch = [sequences[i] for i in batch_indices]
-                    for sequence, out in zip(batch, forward_batch(model, tap, batch, pad_id=pad_id, top_k=plan.top_k)):
-                        writer.write(sequence.id, sequence.input_ids, sequence.loss_mask, out.target_next.numpy(), out.features,
-                                     out.topk_ids.numpy(), out.topk_logprobs.numpy())
-                    bar.update(sum(len(s.input_ids) for s in batch))
-            except BaseException:
+            writers.append(writer)
+            for batch_indices in plan.shards[number]:
+                batch = [sequences[i] for i in batch_indices]
+                captured = capture_batch(model, tap, batch, pad_id=pad_id, top_k=plan.top_k, feature_dtype=feature_dtype)
+                run(write_batch, writer, batch, captured)
+            run(ShardWriter.close, writer)
+        if background is not None:
+            background.finish()
+        writers.clear()
+    except BaseException:
+        if background is not None:
+            background.cancel()
+        for writer in writers:
+            if not writer.path.exists() or writer.tmp_path.exists():
                 writer.abort()
-                raise
-            writer.close()
+        raise
     finally:
         bar.close()
+
+
+class BackgroundWork:
+    """Tasks run in order on one thread, at most `depth` waiting; the first failure is raised in
+    the caller at its next submit or at `finish`."""
+
+    def __init__(self, depth: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-writer")
+        self.depth = depth
+        self.futures: list = []
+
+    def submit(self, task, *args) -> None:
+        self.futures.append(self.pool.submit(task, *args))
+        while len(self.futures) > self.depth or (self.futures and self.futures[0].done()):
+            self.futures.pop(0).result()
+
+    def finish(self) -> None:
+        while self.futures:
+            self.futures.pop(0).result()
+        self.pool.shutdown(wait=True)
+
+    def cancel(self) -> None:
+        for future in self.futures:
+            future.cancel()
+        self.pool.shutdown(wait=True)
+        self.futures.clear()
 
 
 def _write_manifest(plan: SplitPlan, sequences: list[Sequence], stats: Counter, *, split: str, out_dir: Path, target: TargetInfo,

@@ -126,6 +126,9 @@ class TrainConfig:
     logits_chunk: int = 1024
     # "auto" (flex_attention on GPU, SDPA with a dense mask on CPU), "sdpa" or "flex".
     attention: str = "auto"
+    # Compile the step's forward, loss and backward (torch.compile, fullgraph) over one static
+    # padded shape: on a GPU with CUDA graphs. How fast, not what: not part of the run's record.
+    compile: bool = False
     # Softmax of the training loss over the "full" vocabulary or only the tokens of the "data"
     # (train answers): a cheaper head in training, and the drafter then drafts over those tokens
     # only (its draft vocabulary: a cheaper head at decoding, scored the same way).

@@ -56,3 +56,19 @@ def bf16_peak_tflops(device) -> float | None:
         return None
     name = torch.cuda.get_device_name(torch.device(device))
     return next((peak for chip, peak in BF16_PEAK_TFLOPS.items() if chip in name), None)
+
+
+def machine_description() -> str:
+    """This machine in words for a benchmark's record: the CPU model (or the GPU's name) and the
+    core count, since the same code runs 2-4x apart on different CPUs."""
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), model)
+    except OSError:
+        pass
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{model}, {os.cpu_count()} CPUs{gpu}"
+

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.drafters.core import dflash_mask
+from dflash_pipeline.drafters.core import dflash_block_mask, dflash_mask
 
 
 def training_anchor_seed(seed: int, step: int, position: int) -> int:
@@ -50,18 +50,26 @@ def draw_anchors(loss_mask: torch.Tensor, count: int, seed: int) -> list[int]:
 @dataclass
 class Batch:
     """The blocks of one forward and what they should draft. What only training needs (slot
-    weights, the target's distributions) is training's to add (`train.loss.training_targets`)."""
+    weights, the target's distributions) is training's to add (`train.loss.training_targets`).
+
+    The attention mask is not stored: it follows from ~10 bytes of metadata per key and per block
+    (which sequence, which position, which anchor), and is built where it is used, on the batch's
+    device: dense for SDPA (`dense_mask`), or as a flex-attention BlockMask (`block_mask`) that
+    never materialises the [Q, C + Q] matrix. A dense mask is ~0.6 GB at 16K context tokens and
+    block 16; building it on the host and copying it was most of a GPU train step.
+    """
 
     block_size: int  # B: slot 0 the anchor, slots 1..B-1 drafted; the one copy the batch's users read
-    features: list[torch.Tensor]  # per sequence [S_i, N*H]; together the packed context [C, N*H]
+    features: torch.Tensor  # [C, N*H] every sequence's target features, packed
     context_positions: torch.Tensor  # [C]
+    context_sequence: torch.Tensor  # [C] index of the key's sequence within the batch (-1: padding)
     block_ids: torch.Tensor  # [Q] anchor token, then mask tokens, per block
     block_positions: torch.Tensor  # [Q]
-    mask: torch.Tensor  # [Q, C + Q] which keys each block query sees
     labels: torch.Tensor  # [blocks, B-1] token each drafted slot should produce
     exists: torch.Tensor  # [blocks, B-1] bool: the slot holds an answer token to compare with
-    block_sequence: torch.Tensor  # [blocks] index of the block's sequence within the batch
-    context_tokens: int
+    block_sequence: torch.Tensor  # [blocks] index of the block's sequence within the batch (-1: padding)
+    context_tokens: int  # real context tokens (padding excluded)
+    sliding_window: int | None = None  # the drafter's: context keys further back than this from the anchor are masked
 
     @property
     def anchors(self) -> torch.Tensor:
@@ -77,64 +85,107 @@ class Batch:
         """The drafted slots' rows [blocks, B-1, ...] of a forward's output [Q, ...] (slot 0 dropped)."""
         return hidden.view(-1, self.block_size, *hidden.shape[1:])[:, 1:]
 
+    def dense_mask(self) -> torch.Tensor:
+        """[Q, C + Q] bool, True = visible (`dflash_mask`), on the batch's device."""
+        size = self.block_size
+        blocks = torch.arange(self.block_sequence.shape[0], device=self.block_sequence.device)
+        return dflash_mask(self.context_sequence, self.context_positions, self.block_sequence.repeat_interleave(size),
+                           self.anchors.repeat_interleave(size), blocks.repeat_interleave(size), sliding_window=self.sliding_window)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.dense_mask()
+
+    def block_mask(self):
+        """The same visibility as a flex-attention BlockMask, built on the batch's device from the
+        metadata alone (`dflash_block_mask`)."""
+        return dflash_block_mask(self.context_sequence, self.context_positions, self.block_sequence, self.anchors,
+                                 block_size=self.block_size, sliding_window=self.sliding_window)
+
+    def attention_mask(self, attention: str):
+        """What `forward_blocks` takes for this attention backend: "sdpa" a dense mask, "flex" a BlockMask."""
+        return self.block_mask() if attention == "flex" else self.dense_mask()
+
+    def padded(self, *, context_tokens: int, blocks: int, mask_token_id: int) -> "Batch":
+        """The batch grown to exactly `context_tokens` keys and `blocks` blocks, for static shapes
+        (a compiled or CUDA-graphed step sees one shape whatever the step packs). Padding keys
+        belong to no sequence (-1) and are never visible; a padding block sees only itself (a
+        row with no visible key would be NaN), drafts mask tokens and has no slot that exists,
+        so it carries zero loss weight."""
+        extra_context, extra_blocks = context_tokens - self.features.shape[0], blocks - self.block_sequence.shape[0]
+        if extra_context < 0 or extra_blocks < 0:
+            raise PipelineError(f"train: a step holds {self.features.shape[0]} context tokens and {self.block_sequence.shape[0]} blocks, "
+                                f"more than the static shape {context_tokens} x {blocks}")
+        size = self.block_size
+
+        def grow(tensor, count, value):
+            return torch.cat([tensor, tensor.new_full((count, *tensor.shape[1:]), value)])
+
+        return Batch(
+            block_size=size,
+            features=grow(self.features, extra_context, 0),
+            context_positions=grow(self.context_positions, extra_context, 0),
+            context_sequence=grow(self.context_sequence, extra_context, -1),
+            block_ids=grow(self.block_ids, extra_blocks * size, mask_token_id),
+            block_positions=torch.cat([self.block_positions, torch.arange(size).repeat(extra_blocks).to(self.block_positions)]),
+            labels=grow(self.labels, extra_blocks, 0),
+            exists=grow(self.exists, extra_blocks, False),
+            block_sequence=grow(self.block_sequence, extra_blocks, -1),
+            context_tokens=self.context_tokens,
+            sliding_window=self.sliding_window,
+        )
+
     def to(self, device: str) -> "Batch":
-        """The tensors the forward reads moved to `device`; labels and weights stay where they are."""
+        """Every tensor moved to `device` (non-blocking: asynchronous from pinned memory)."""
         if device == "cpu":
             return self
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k in ("context_positions", "block_ids",
-                                                                                                "block_positions", "mask") else v)
-                 for k, v in self.__dict__.items()}
-        moved["features"] = [piece.to(device, non_blocking=True) for piece in self.features]
+        moved = {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+                 for key, value in self.__dict__.items()}
         return Batch(**moved)
 
 
 def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_token_id: int, anchor_seeds: list[int],
-                sliding_window: int | None = None) -> Batch:
+                sliding_window: int | None = None, pin_memory: bool = False) -> Batch:
     """Pack sequences and their anchors into one DFlash forward's inputs.
 
     Each sequence draws its anchors from its own seed (`anchor_seeds`). `sliding_window` is the
     drafter's: context keys further back than that from the anchor are masked, as at decoding.
+    Everything past the per-sequence anchor draw is a handful of whole-batch tensor ops.
+    `pin_memory` packs the features into page-locked memory, so the copy to a GPU is asynchronous.
     """
-    features, context_positions, context_sequence = [], [], []
-    block_ids, block_positions, block_sequence, block_anchor, block_index = [], [], [], [], []
-    labels, exists, sequence_of_block = [], [], []
-    offsets = torch.arange(block_size)
-    blocks = 0
-    for number, sample in enumerate(samples):
-        length = sample.input_ids.shape[0]
-        ids = sample.input_ids.long()
-        mask = sample.loss_mask.bool()
-        features.append(sample.features)
-        context_positions.append(torch.arange(length))
-        context_sequence.append(torch.full((length,), number))
-        for anchor in draw_anchors(sample.loss_mask, anchors_per_sequence, anchor_seeds[number]):
-            slots = anchor + offsets
-            block = torch.full((block_size,), mask_token_id, dtype=torch.long)
-            block[0] = ids[anchor]
-            block_ids.append(block)
-            block_positions.append(slots)
-            block_sequence.append(torch.full((block_size,), number))
-            block_anchor.append(torch.full((block_size,), anchor))
-            block_index.append(torch.full((block_size,), blocks))
-            target_slots = slots[1:].clamp(max=length - 1)
-            labels.append(ids[target_slots])
-            exists.append(mask[target_slots] & (slots[1:] < length))
-            sequence_of_block.append(number)
-            blocks += 1
-    if blocks == 0:
+    anchor_lists = [draw_anchors(sample.loss_mask, anchors_per_sequence, seed) for sample, seed in zip(samples, anchor_seeds)]
+    counts = torch.tensor([len(anchors) for anchors in anchor_lists])
+    if int(counts.sum()) == 0:
         raise PipelineError("train: no sequence in this batch has two answer tokens in a row to anchor a block")
-    context_sequence_t, context_positions_t = torch.cat(context_sequence), torch.cat(context_positions)
-    mask = dflash_mask(context_sequence_t, context_positions_t, torch.cat(block_sequence), torch.cat(block_anchor), torch.cat(block_index),
-                       sliding_window=sliding_window)
+    lengths = torch.tensor([sample.input_ids.shape[0] for sample in samples])
+    starts = torch.cumsum(lengths, 0) - lengths
+    sequences = torch.arange(len(samples))
+    context_sequence = sequences.repeat_interleave(lengths)
+    context_positions = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
+    ids = torch.cat([sample.input_ids.long() for sample in samples])
+    answer = torch.cat([sample.loss_mask.bool() for sample in samples])
+    pieces = [sample.features for sample in samples]
+    features = torch.empty((ids.shape[0], pieces[0].shape[1]), dtype=pieces[0].dtype, pin_memory=pin_memory)
+    torch.cat(pieces, out=features)
+
+    block_sequence = sequences.repeat_interleave(counts)
+    anchors = torch.tensor([anchor for anchors in anchor_lists for anchor in anchors], dtype=torch.long)
+    slots = anchors[:, None] + torch.arange(block_size)  # [blocks, B]
+    length, start = lengths[block_sequence][:, None], starts[block_sequence][:, None]
+    drafted = slots[:, 1:]
+    target_rows = start + drafted.clamp(max=length - 1)
+    block_ids = torch.full(slots.shape, mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = ids[start[:, 0] + anchors]
     return Batch(
         block_size=block_size,
         features=features,
-        context_positions=context_positions_t,
-        block_ids=torch.cat(block_ids),
-        block_positions=torch.cat(block_positions),
-        mask=mask,
-        labels=torch.stack(labels),
-        exists=torch.stack(exists),
-        block_sequence=torch.tensor(sequence_of_block),
-        context_tokens=int(context_positions_t.numel()),
+        context_positions=context_positions,
+        context_sequence=context_sequence,
+        block_ids=block_ids.reshape(-1),
+        block_positions=slots.reshape(-1),
+        labels=ids[target_rows],
+        exists=answer[target_rows] & (drafted < length),
+        block_sequence=block_sequence,
+        context_tokens=int(lengths.sum()),
+        sliding_window=sliding_window,
     )

@@ -30,6 +30,7 @@ writer made, never because it merely parses. Capture removes these files once th
 which records the same hashes, is written.
 """
 
+import hashlib
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -140,8 +141,48 @@ class ShardInfo:
     sha256: str
 
 
+class _HashingFile:
+    """A binary file that hashes what is written to it: the shard's sha256 is known when the last
+    byte is written, with no second read of the file."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "wb")
+        self.digest = hashlib.sha256()
+        self._position = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)  # releases the GIL on large buffers
+        self._file.write(view)
+        self._position += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._position
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def sync(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+            self.closed = True
+
+
 class ShardWriter:
-    """Write sequences into one shard; the file appears under its final name only on `close()`."""
+    """Write sequences into one shard; the file appears under its final name only on `close()`.
+
+    Columns are handed to Arrow as zero-copy views of numpy arrays that already have the
+    column's type (converting element by element ran at ~190 MiB/s, several times the rest of
+    the write), and the file is hashed as it is written."""
 
     def __init__(self, path: Path, *, feature_dtype: str, feature_width: int, top_k: int = 0):
         self.path = Path(path)
@@ -150,7 +191,8 @@ class ShardWriter:
         self.feature_width = feature_width
         self.top_k = top_k
         self.schema = shard_schema(feature_dtype, feature_width, top_k)
-        self._sink = pa.OSFile(str(self.tmp_path), "wb")
+        self._file = _HashingFile(self.tmp_path)
+        self._sink = pa.PythonFile(self._file, mode="w")
         self._writer = pa.ipc.new_file(self._sink, self.schema)
         self.sequences = 0
         self.tokens = 0
@@ -169,18 +211,17 @@ class ShardWriter:
                 f"top-k {topk_ids.shape} / {topk_logprobs.shape}, K {self.top_k})"
             )
         values, scales = encode_features(features, self.feature_dtype)
-        value_type = pa.uint16() if self.feature_dtype == "bf16" else pa.uint8()
         columns = [
             pa.array([sequence_id], pa.string()),
-            _list_array(np.asarray(input_ids, dtype=np.int32), pa.int32()),
-            _list_array(np.asarray(loss_mask, dtype=np.uint8), pa.uint8()),
-            _list_array(np.asarray(target_next, dtype=np.int32), pa.int32()),
-            _list_array(topk_ids.reshape(-1), pa.int32()),
-            _list_array(topk_logprobs.reshape(-1), pa.float32()),
-            pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), pa.array(values, value_type)),
+            _list_array(np.asarray(input_ids, dtype=np.int32)),
+            _list_array(np.asarray(loss_mask, dtype=np.uint8)),
+            _list_array(np.asarray(target_next, dtype=np.int32)),
+            _list_array(topk_ids.reshape(-1)),
+            _list_array(topk_logprobs.reshape(-1)),
+            pa.LargeListArray.from_arrays(pa.array([0, len(values)], pa.int64()), _zero_copy(values)),
         ]
         if scales is not None:
-            columns.append(_list_array(scales, pa.float32()))
+            columns.append(_list_array(scales))
         self._writer.write_batch(pa.record_batch(columns, schema=self.schema))
         self.sequences += 1
         self.tokens += length
@@ -189,10 +230,10 @@ class ShardWriter:
         """Finish the file, record its sha256 beside it, then rename it into place: a visible
         shard always has the record a rerun checks it against."""
         self._writer.close()
+        self._file.sync()
         self._sink.close()
-        with open(self.tmp_path, "rb") as handle:
-            os.fsync(handle.fileno())
-        digest = sha256_file(self.tmp_path)
+        self._file.close()
+        digest = self._file.digest.hexdigest()
         write_text_atomic(sha256_record_path(self.path), f"{digest}  {self.path.name}\n")
         os.replace(self.tmp_path, self.path)
         return ShardInfo(self.path.name, self.sequences, self.tokens, self.path.stat().st_size, digest)
@@ -201,12 +242,18 @@ class ShardWriter:
         try:
             self._writer.close()
             self._sink.close()
+            self._file.close()
         finally:
             self.tmp_path.unlink(missing_ok=True)
 
 
-def _list_array(values: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), pa.array(values, value_type))
+def _zero_copy(values: np.ndarray) -> pa.Array:
+    """A numpy array as an Arrow array of its own type, sharing its memory (no conversion)."""
+    return pa.array(np.ascontiguousarray(values))
+
+
+def _list_array(values: np.ndarray) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), _zero_copy(values))
 
 
 @dataclass

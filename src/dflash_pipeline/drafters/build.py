@@ -15,6 +15,10 @@ from dflash_pipeline.target.folder import read_tensors
 from dflash_pipeline.target.load import TargetInfo
 
 
+# Train keys left out of the run's record: a run resumes across a change of them.
+RUNTIME_ONLY_KEYS = ("compile",)
+
+
 @dataclass(frozen=True)
 class ArchitectureChoice:
     """The run's architecture and its resolved options (`train.architecture`, `train.options.<name>`)."""
@@ -29,6 +33,8 @@ class ArchitectureChoice:
         before there was a family still count as the same run)."""
         data = as_dict(config)
         del data["architecture"], data["options"]
+        for key in RUNTIME_ONLY_KEYS:  # they change how fast a step runs, not what it computes
+            del data[key]
         return {**data, **self.member.record(self.options, self.loss_options)}
 
 

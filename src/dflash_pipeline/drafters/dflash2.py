@@ -195,10 +195,10 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, head_rows: 
     token id (None: columns are token ids). Returns (total, covered [N], hits [N]): covered =
     the answer was in the top-K as drafted, hits = the selector ranks it first (teacher-forced).
     """
-    present = columns == labels[:, None]
-    covered = present.any(dim=1)
-    columns = columns.clone()
-    columns[~covered, -1] = labels[~covered]  # the answer replaces the weakest candidate
+    covered = (columns == labels[:, None]).any(dim=1)
+    # The answer replaces the weakest candidate where it is missing (a select, not a boolean index:
+    # no read-back of how many rows miss it).
+    columns = torch.cat([columns[:, :-1], torch.where(covered, columns[:, -1], labels)[:, None]], dim=1)
     target = (columns == labels[:, None]).int().argmax(dim=1)
     rows = head_rows[columns]  # [N, K, H]; differentiable through hidden only (the head is frozen)
     unary = torch.einsum("nh,nkh->nk", hidden.to(rows.dtype), rows).float()
@@ -291,8 +291,9 @@ class DFlash2(Architecture):
             return None, {}
         term, covered, hits = selector_loss(drafter.candidate_selector, hidden, head_rows, top_columns, labels, predecessors, weights,
                                             token_ids=token_ids)
-        stats = {"selector_loss": term.detach(), "selector_covered": covered.sum(), "selector_hits": hits.sum(),
-                 "selector_slots": torch.tensor(covered.numel())}
+        counted = weights > 0  # slots of zero weight (past the end, padding) are not slots
+        stats = {"selector_loss": term.detach(), "selector_covered": (covered & counted).sum(), "selector_hits": (hits & counted).sum(),
+                 "selector_slots": counted.sum()}
         return loss_options.selector_weight * term, stats
 
     def curve_fields(self, stats: dict) -> dict:

@@ -250,18 +250,19 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         samples = [dataset[index] for index in group]
         if not any(valid_anchors(sample.loss_mask).numel() for sample in samples):
             continue
-        batch = build_batch(samples, anchors_per_sequence=cap, block_size=block_size, mask_token_id=config.mask_token_id,
-                            anchor_seeds=[scoring_anchor_seed(seed, index) for index in group],
-                            sliding_window=config.sliding_window).to(str(device))
+        host = build_batch(samples, anchors_per_sequence=cap, block_size=block_size, mask_token_id=config.mask_token_id,
+                           anchor_seeds=[scoring_anchor_seed(seed, index) for index in group],
+                           sliding_window=config.sliding_window, pin_memory=device.type == "cuda")
+        batch = host.to(str(device))
         embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
-        hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
-                                        attention=attention)
-        pending.append((batch.drafted(hidden), drafter.vocab_index(batch.labels), batch.exists, batch.anchor_ids.cpu(), batch.labels))
+        hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions,
+                                        batch.attention_mask(attention), attention=attention)
+        pending.append((batch.drafted(hidden), drafter.vocab_index(host.labels), host.exists, host.anchor_ids, host.labels))
         if sum(piece[0].shape[0] for piece in pending) >= chunk:
             score_pending(everything=False)
-        parts["valid"].append(batch.exists.numpy())
-        parts["sequence"].append(np.array(group)[batch.block_sequence.numpy()])
-        parts["anchor"].append(batch.anchors.cpu().numpy())
+        parts["valid"].append(host.exists.numpy())
+        parts["sequence"].append(np.array(group)[host.block_sequence.numpy()])
+        parts["anchor"].append(host.anchors.numpy())
     if pending:
         score_pending(everything=True)
     if not parts["correct"]:

@@ -155,14 +155,13 @@ def training_targets(batch: Batch, samples, gamma: float) -> TrainingTargets:
     weights = decay_weights(batch.block_size, gamma) * batch.exists.float()
     if not all(getattr(s, "target_topk_ids", None) is not None and s.target_topk_ids.shape[-1] > 0 for s in samples):
         return TrainingTargets(weights)
-    offsets = torch.arange(1, batch.block_size)
-    soft_ids, soft_logprobs = [], []
-    for sequence, anchor in zip(batch.block_sequence.tolist(), batch.anchors.cpu().tolist()):
-        sample = samples[sequence]
-        target_slots = (anchor + offsets).clamp(max=sample.input_ids.shape[0] - 1)
-        soft_ids.append(sample.target_topk_ids[target_slots - 1].long())
-        soft_logprobs.append(sample.target_topk_logprobs[target_slots - 1].float())
-    return TrainingTargets(weights, torch.stack(soft_ids), torch.stack(soft_logprobs))
+    lengths = torch.tensor([sample.input_ids.shape[0] for sample in samples])
+    starts = (torch.cumsum(lengths, 0) - lengths)[batch.block_sequence][:, None]
+    slots = batch.anchors[:, None].cpu() + torch.arange(1, batch.block_size)
+    rows = starts + slots.clamp(max=lengths[batch.block_sequence][:, None] - 1) - 1  # the position before each slot
+    soft_ids = torch.cat([sample.target_topk_ids for sample in samples]).long()[rows]
+    soft_logprobs = torch.cat([sample.target_topk_logprobs for sample in samples]).float()[rows]
+    return TrainingTargets(weights, soft_ids, soft_logprobs)
 
 
 @dataclass
@@ -188,33 +187,35 @@ def block_loss(drafter: DFlashDrafter, head: TargetHead, batch: Batch, targets: 
     """
     vocabulary = vocabulary or TrainingVocabulary.full(head)
     embeddings = head.embed(batch.block_ids).to(drafter.fc.weight.dtype)
-    hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.mask,
-                                    attention=attention)
+    hidden = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions,
+                                    batch.attention_mask(attention), attention=attention)
     hidden = batch.drafted(hidden).reshape(-1, hidden.shape[-1])
-    labels, weights = batch.labels.reshape(-1), targets.weights.reshape(-1).to(hidden.device)
-    labels = vocabulary.map(labels.to(hidden.device))
-    keep = (weights > 0) & (labels >= 0)  # slots past the end, outside the answer or vocabulary cost nothing
+    labels = vocabulary.map(batch.labels.reshape(-1).to(hidden.device))
+    # Slots past the end, outside the answer or outside the vocabulary weigh 0 and cost nothing.
+    # Every slot stays in the tensors (no boolean selection): the shapes do not depend on the
+    # data, and nothing waits for the device to say how many slots count.
+    weights = targets.weights.reshape(-1).to(hidden.device)
+    weights = torch.where(labels >= 0, weights, torch.zeros_like(weights))
+    labels = labels.clamp(min=0)
     soft_ids = soft_probs = None
     if distill_weight > 0:
         if targets.soft_ids is None:
             raise PipelineError("train.distill_weight > 0 needs the target's top-k in the shards (capture.target_top_k > 0)")
         soft_ids, soft_probs = distillation_targets(
-            labels[keep], targets.soft_ids.reshape(-1, targets.soft_ids.shape[-1]).to(hidden.device)[keep],
-            targets.soft_logprobs.reshape(-1, targets.soft_logprobs.shape[-1]).to(hidden.device)[keep], distill_weight, vocabulary)
+            labels, targets.soft_ids.reshape(-1, targets.soft_ids.shape[-1]).to(hidden.device),
+            targets.soft_logprobs.reshape(-1, targets.soft_logprobs.shape[-1]).to(hidden.device), distill_weight, vocabulary)
     member = drafter.architecture
     loss_options = loss_options if loss_options is not None else member.loss_options_type()
     top_k = member.loss_top_k(drafter.config, loss_options)
-    total, hits, *top = ChunkedHeadCrossEntropy.apply(hidden[keep], vocabulary.head_rows, labels[keep], weights[keep],
-                                                      logits_chunk, soft_ids, soft_probs, top_k)
+    total, hits, *top = ChunkedHeadCrossEntropy.apply(hidden, vocabulary.head_rows, labels, weights, logits_chunk, soft_ids, soft_probs,
+                                                      top_k)
     anchors = batch.anchor_ids[:, None].to(batch.labels.device)
     predecessors = torch.cat([anchors, batch.labels[:, :-1]], dim=1).reshape(-1).to(hidden.device)  # slot k follows slot k-1's answer
-    term, extra_stats = member.extra_loss(drafter, hidden=hidden[keep], head_rows=vocabulary.head_rows,
-                                          top_columns=top[0] if top_k else None, labels=labels[keep], predecessors=predecessors[keep],
-                                          weights=weights[keep], token_ids=vocabulary.token_ids, loss_options=loss_options)
+    term, extra_stats = member.extra_loss(drafter, hidden=hidden, head_rows=vocabulary.head_rows, top_columns=top[0] if top_k else None,
+                                          labels=labels, predecessors=predecessors, weights=weights, token_ids=vocabulary.token_ids,
+                                          loss_options=loss_options)
     if term is not None:
         total = total + term
     weight_sum = weights.sum()
     denominator = weight_total if weight_total is not None else weight_sum
-    all_hits = torch.zeros(labels.shape, dtype=torch.bool, device=hidden.device)
-    all_hits[keep] = hits
-    return BlockLoss(total / denominator.clamp(min=1e-9), all_hits.view(batch.labels.shape), weight_sum, extra_stats)
+    return BlockLoss(total / denominator.clamp(min=1e-9), (hits & (weights > 0)).view(batch.labels.shape), weight_sum, extra_stats)

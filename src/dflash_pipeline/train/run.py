@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.data.blocks import build_batch, training_anchor_seed
+from dflash_pipeline.data.blocks import Batch, build_batch, training_anchor_seed
 from dflash_pipeline.drafters.checkpoints import (
     list_checkpoints,
     load_resume_state,
@@ -39,7 +39,7 @@ from dflash_pipeline.config import TrainConfig
 from dflash_pipeline.devices import autocast, bf16_by_default
 from dflash_pipeline.drafters.build import choose_architecture, choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.train.loss import TrainingVocabulary, block_loss, default_gamma, training_targets
+from dflash_pipeline.train.loss import TrainingTargets, TrainingVocabulary, block_loss, default_gamma, training_targets
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
 from dflash_pipeline.data.shards import ShardDataset, open_split
@@ -133,6 +133,10 @@ class TrainingRun:
     world: int = 1
     rank: int = 0
     bf16: bool | None = None  # bf16 autocast; None: on CUDA only (`devices.autocast`)
+    lengths: list = field(default_factory=list)  # every train sequence's length
+    static_shape: tuple | None = None  # (context tokens, blocks) every step is padded to when compiled
+    compile_backend: str = "inductor"  # torch.compile's backend (tests use "aot_eager")
+    loss_fn: object = None  # block_loss with the run's settings, compiled or not (`_loss_function`)
     start_step: int = 0
     last_saved: int = 0  # the newest checkpoint's step
     curve: list = field(default_factory=list)
@@ -223,7 +227,8 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
         vocabulary = TrainingVocabulary.full(head)
     run = TrainingRun(
         config=config, drafter=drafter, head=head, vocabulary=vocabulary,
-        optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)),
+        # Fused: one kernel for every parameter, and no per-step read of the step counters.
+        optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95), fused=True),
         train_set=train_set, val_set=val_set,
         plan=plan_steps(train_set.lengths(), tokens_per_step=config.tokens_per_step, max_steps=config.max_steps, seed=config.seed),
         mask_token_id=mask_token_id, gamma=gamma, device=device, world=world, rank=rank,
@@ -233,6 +238,10 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
                 "shards": {"train": manifest.tokens, "val": val_set.manifest.tokens, "layer_ids": manifest.layer_ids,
                            "feature_dtype": manifest.feature_dtype}},
     )
+    run.lengths = train_set.lengths()
+    if config.compile:
+        run.static_shape = static_shape(run)
+    run.loss_fn = _loss_function(run)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     _resume_or_start_fresh(run, Path(out_dir), log=log)
     if rank == 0:
@@ -298,47 +307,156 @@ def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
         dist.barrier()
 
 
-def train_step(run: TrainingRun, step: int) -> dict:
-    """One optimizer step (0-based `step`) on this rank's share of the step's sequences; returns
-    the step's curve row (loss summed over ranks, lr, grad norm, slot-1 accuracy, context tokens)."""
-    import torch.distributed as dist
+@dataclass
+class PreparedStep:
+    """A step's inputs, built on the host (`prepare_step`) while the device runs the step before."""
 
-    config, world, device = run.config, run.world, run.device
-    lr = learning_rate(step, max_steps=config.max_steps, base_lr=config.lr, warmup_fraction=config.warmup_fraction)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    step: int
+    batch: Batch
+    targets: TrainingTargets
+    context_tokens: int  # over every rank's share of the step (the plan says; nothing to reduce)
+    trained_positions: int  # this rank's slots that exist
+
+
+def prepare_step(run: TrainingRun, step: int) -> PreparedStep:
+    """Host work of one step: read this rank's share of its sequences, draw anchors, pack the
+    batch (into pinned memory on a GPU) with its training targets, padded to the static shape
+    when the step is compiled. Reads no device value, so it can run a step ahead in a thread."""
+    config, world = run.config, run.world
     indices = run.plan[step]
     mine = list(range(run.rank, len(indices), world))
     samples = [run.train_set[indices[i]] for i in mine]
     drafter_config = run.drafter.config  # the block geometry's one source once the drafter exists
     batch = build_batch(samples, anchors_per_sequence=config.anchors_per_sequence, block_size=drafter_config.block_size,
                         mask_token_id=run.mask_token_id, anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
-                        sliding_window=drafter_config.sliding_window)
-    targets = training_targets(batch, samples, run.gamma)  # from the host copy: no device read-back
-    batch = batch.to(device)
-    weight_total = _all_reduce(targets.weights.sum().to(device), world)
+                        sliding_window=drafter_config.sliding_window, pin_memory=run.device.startswith("cuda"))
+    targets = training_targets(batch, samples, run.gamma)
+    trained_positions = int(batch.exists.sum())  # host tensor
+    if run.static_shape is not None:
+        batch, targets = pad_step(batch, targets, run.static_shape, mask_token_id=run.mask_token_id)
+    lengths = run.lengths
+    return PreparedStep(step, batch, targets, sum(lengths[i] for i in indices), trained_positions)
+
+
+def pad_step(batch: Batch, targets: TrainingTargets, shape: tuple[int, int], *, mask_token_id: int) -> tuple[Batch, TrainingTargets]:
+    """A batch and its targets grown to the static (context tokens, blocks) shape; padding weighs 0."""
+    context_tokens, blocks = shape
+    padded = batch.padded(context_tokens=context_tokens, blocks=blocks, mask_token_id=mask_token_id)
+    extra = blocks - batch.block_sequence.shape[0]
+
+    def grow(tensor):
+        return None if tensor is None else torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
+
+    return padded, TrainingTargets(grow(targets.weights), grow(targets.soft_ids), grow(targets.soft_logprobs))
+
+
+def static_shape(run: TrainingRun) -> tuple[int, int]:
+    """The largest (context tokens, blocks) any step of the plan gives this rank: every step is
+    padded to it, so a compiled step never sees a new shape (the context rounded up to whole
+    128-key tiles, the flex-attention tile)."""
+    from dflash_pipeline.data.blocks import valid_anchors
+
+    config = run.config
+    cap = config.anchors_per_sequence
+    anchors: dict[int, int] = {}
+    context, blocks = 0, 0
+    for indices in run.plan:
+        mine = indices[run.rank::run.world]
+        for index in mine:
+            if index not in anchors:
+                anchors[index] = min(cap, int(valid_anchors(run.train_set[index].loss_mask).numel()))
+        context = max(context, sum(run.lengths[i] for i in mine))
+        blocks = max(blocks, sum(anchors[i] for i in mine))
+    return -(-context // 128) * 128, blocks
+
+
+# Curve values stay on the device and are read back this often (and before every validation,
+# checkpoint and the end): the only device-to-host reads of a steady-state step.
+READ_EVERY = 16
+
+
+@dataclass
+class StepResult:
+    """One step's curve values, still on the device (`read_back` turns them into curve rows)."""
+
+    step: int
+    lr: float
+    context_tokens: int
+    trained_positions: int
+    values: torch.Tensor  # [loss, grad norm, slot-1 hits, slot-1 slots, the architecture's statistics...]
+    extra_names: list
+
+
+def _loss_function(run: TrainingRun):
+    """block_loss with this run's settings: compiled (fullgraph, one static shape; CUDA graphs on
+    a GPU) when train.compile is on."""
+    config = run.config
+
+    def loss(drafter, batch: Batch, targets: TrainingTargets, weight_total: torch.Tensor):
+        return block_loss(drafter, run.head, batch, targets, logits_chunk=config.logits_chunk, weight_total=weight_total,
+                          attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight,
+                          loss_options=run.loss_options)
+
+    if not config.compile:
+        return loss
+    mode = "reduce-overhead" if run.device.startswith("cuda") else None
+    return torch.compile(loss, fullgraph=True, dynamic=False, mode=mode, backend=run.compile_backend)
+
+
+def train_step(run: TrainingRun, step: int, prepared: PreparedStep | None = None) -> StepResult:
+    """One optimizer step (0-based `step`) on this rank's share of the step's sequences.
+
+    Nothing here waits for the device: the batch arrives prepared (`prepare_step`), the curve
+    values stay device tensors (`read_back`), the optimizer is fused. The loss is summed over
+    ranks; a non-finite one is found when the values are read back (`read_back` raises), always
+    before a checkpoint is written."""
+    import torch.distributed as dist
+
+    config, world, device = run.config, run.world, run.device
+    prepared = prepared if prepared is not None else prepare_step(run, step)
+    lr = learning_rate(step, max_steps=config.max_steps, base_lr=config.lr, warmup_fraction=config.warmup_fraction)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    batch = prepared.batch.to(device)
+    targets = TrainingTargets(*(None if t is None else t.to(device, non_blocking=True)
+                                for t in (prepared.targets.weights, prepared.targets.soft_ids, prepared.targets.soft_logprobs)))
+    weight_total = _all_reduce(targets.weights.sum(), world)
     with autocast(device, run.bf16):
-        step_loss = block_loss(run.drafter, run.head, batch, targets, logits_chunk=config.logits_chunk, weight_total=weight_total,
-                               attention=run.attention, vocabulary=run.vocabulary, distill_weight=config.distill_weight,
-                               loss_options=run.loss_options)
-    loss, hits = step_loss.loss, step_loss.hits.cpu()
-    loss_value = _all_reduce(loss.detach().clone(), world)
-    if not torch.isfinite(loss_value):
-        raise NonFiniteLoss(f"train: loss is {loss_value.item()} at step {step}")
+        step_loss = run.loss_fn(run.drafter, batch, targets, weight_total)
+    loss_value = _all_reduce(step_loss.loss.detach().clone(), world)
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    step_loss.loss.backward()
     if world > 1:
         for parameter in run.drafter.parameters():
             if parameter.grad is not None:
                 dist.all_reduce(parameter.grad)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), config.grad_clip)
     run.optimizer.step()
-    tokens = int(_all_reduce(torch.tensor(float(batch.context_tokens), device=device), world).item())
-    row = {"step": step + 1, "loss": round(loss_value.item(), 6), "lr": lr, "grad_norm": round(float(grad_norm), 4),
-           "slot1_acc": round(float(hits[:, 0][batch.exists[:, 0]].float().mean()), 4) if hits.numel() else None,
-           "loss_value": loss_value.item(), "context_tokens": tokens, "trained_positions": int(batch.exists.sum())}
-    row.update(run.drafter.architecture.curve_fields(step_loss.extra_stats))  # e.g. DFlash2's selector coverage and accuracy
-    return row
+    first = batch.exists[:, 0]
+    names = sorted(step_loss.extra_stats)
+    values = torch.stack([loss_value.float(), grad_norm.float(), (step_loss.hits[:, 0] & first).sum().float(), first.sum().float(),
+                          *(step_loss.extra_stats[name].float() for name in names)])
+    return StepResult(step, lr, prepared.context_tokens, prepared.trained_positions, values, names)
+
+
+def read_back(run: TrainingRun, results: list[StepResult]) -> list[dict]:
+    """The curve rows of steps whose values are still on the device: one read for all of them.
+    Raises NonFiniteLoss naming the first step whose loss was NaN or infinite."""
+    if not results:
+        return []
+    values = torch.stack([result.values for result in results]).tolist() if len(set(r.values.shape for r in results)) == 1 \
+        else [result.values.tolist() for result in results]
+    rows = []
+    for result, numbers in zip(results, values):
+        loss, grad_norm, slot1_hits, slot1_slots, *extra = numbers
+        if not math.isfinite(loss):
+            raise NonFiniteLoss(f"train: loss is {loss} at step {result.step}")
+        row = {"step": result.step + 1, "loss": round(loss, 6), "lr": result.lr, "grad_norm": round(grad_norm, 4),
+               "slot1_acc": round(slot1_hits / slot1_slots, 4) if slot1_slots else float("nan"),
+               "loss_value": loss, "context_tokens": result.context_tokens, "trained_positions": result.trained_positions}
+        row.update(run.drafter.architecture.curve_fields(dict(zip(result.extra_names, extra))))  # e.g. DFlash2's selector coverage
+        rows.append(row)
+    return rows
 
 
 class NonFiniteLoss(PipelineError):
@@ -380,38 +498,81 @@ def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     rank, world = run.rank, run.world
     bar = progress(total=config.max_steps, initial=run.start_step, desc="train", unit="step", disable=rank != 0)
     started, seconds_before = time.perf_counter(), run.seconds
-    try:
-        for step in range(run.start_step, config.max_steps):
-            try:
-                row = train_step(run, step)
-            except NonFiniteLoss as exc:
-                kept = list_checkpoints(out_dir)
-                raise PipelineError(f"{exc}; stopped, last good checkpoint {kept[-1].name if kept else '(none)'} kept") from None
+    pending: list[StepResult] = []
+    prefetch = StepPrefetcher(run)
+
+    def read_pending() -> dict | None:
+        """Turn the steps still on the device into curve rows; the last one, or None."""
+        try:
+            rows = read_back(run, pending)
+        except NonFiniteLoss as exc:
+            kept = list_checkpoints(out_dir)
+            raise PipelineError(f"{exc}; stopped, last good checkpoint {kept[-1].name if kept else '(none)'} kept") from None
+        pending.clear()
+        run.seconds = seconds_before + time.perf_counter() - started
+        for row in rows:
+            row["seconds"] = round(run.seconds, 2)  # when the step's values were read (every READ_EVERY steps)
             run.tokens_seen += row.pop("context_tokens")
             row.pop("trained_positions")
             run.recent_losses = (run.recent_losses + [row.pop("loss_value")])[-LOSS_WINDOW:]
-            run.seconds = seconds_before + time.perf_counter() - started
-            row["seconds"] = round(run.seconds, 2)
-            if rank == 0 and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps):
+            if rank == 0:
+                run.curve.append(row)
+        return rows[-1] if rows else None
+
+    try:
+        for step in range(run.start_step, config.max_steps):
+            pending.append(train_step(run, step, prefetch.get(step)))
+            validate = rank == 0 and ((step + 1) % config.eval_every == 0 or step + 1 == config.max_steps)
+            save = (step + 1) % config.save_every == 0 or step + 1 == config.max_steps
+            row = None
+            if validate or save or (step + 1) % READ_EVERY == 0:
+                row = read_pending()
+            if validate:
                 result = validation_tau(run)
                 row.update(tau=round(result["tau"], 4), tau_ci95=round(result["tau_ci95"], 4),
                            slot_accuracy=[round(a, 4) for a in result["slot_accuracy"]])
-            if rank == 0:
-                run.curve.append(row)
-            bar.set_postfix_str(f"loss {sum(run.recent_losses) / len(run.recent_losses):.3f} "
-                                f"{run.tokens_seen / max(run.seconds, 1e-9):.0f} tok/s"
-                                + (f" tau {row['tau']:.3f}" if "tau" in row else ""), refresh=False)
+            if row is not None:
+                bar.set_postfix_str(f"loss {sum(run.recent_losses) / len(run.recent_losses):.3f} "
+                                    f"{run.tokens_seen / max(run.seconds, 1e-9):.0f} tok/s"
+                                    + (f" tau {row['tau']:.3f}" if "tau" in row else ""), refresh=False)
             bar.update(1)
-            if (step + 1) % config.save_every == 0 or step + 1 == config.max_steps:
+            if save:
                 if rank == 0:
                     _save(run, out_dir, step + 1)
                 if world > 1:
                     dist.barrier()
     finally:
+        prefetch.close()
         bar.close()
         if world > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return _final_metrics(run)
+
+
+class StepPrefetcher:
+    """Builds step n + 1's batch on a host thread while the device runs step n (GPU only: on a
+    CPU the thread would take cores from the step itself)."""
+
+    def __init__(self, run: TrainingRun):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.run = run
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare-step") if run.device.startswith("cuda") else None
+        self.ahead = None  # (step, future)
+
+    def get(self, step: int) -> PreparedStep:
+        if self.ahead is not None and self.ahead[0] == step:
+            prepared = self.ahead[1].result()
+        else:
+            prepared = prepare_step(self.run, step)
+        self.ahead = None
+        if self.pool is not None and step + 1 < self.run.config.max_steps:
+            self.ahead = (step + 1, self.pool.submit(prepare_step, self.run, step + 1))
+        return prepared
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _latest_tau(curve: list[dict]) -> dict:

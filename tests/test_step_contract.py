@@ -1,0 +1,268 @@
+"""The GPU contract of a train step, checked on a CPU (issue #27): the batch, the mask and the
+loss equal the per-anchor code they replaced; a steady-state step reads nothing back from the
+device; the compiled step has one graph and never recompiles.
+
+References: `tests/reference_blocks.py` (the per-anchor `build_batch` of commit 0121fa1) and
+`tests/golden/train_curves_before_27.json` (the tiny runs' curves before the step was made
+sync-free: boolean selection of slots, per-step reads, the single-tensor AdamW)."""
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+from torch.overrides import TorchFunctionMode
+
+from dflash_pipeline.data.blocks import build_batch
+from dflash_pipeline.data.shards import Sample
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask, to_block_mask
+from reference_blocks import per_anchor_build_batch
+from test_train import TINY_TRAIN, _train
+
+GOLDEN = Path(__file__).parent / "golden" / "train_curves_before_27.json"
+GOLDEN_CONFIGS = {
+    "dflash": TINY_TRAIN,
+    "dflash2": replace(TINY_TRAIN, architecture="dflash2"),
+    "dflash2_window": replace(TINY_TRAIN, architecture="dflash2", sliding_window=6),
+    "dflash2_full_plain": replace(TINY_TRAIN, architecture="dflash2", train_vocab="full", distill_weight=0.0),
+}
+
+
+def random_samples(seed: int, *, count: int, width: int = 6, top_k: int = 0):
+    rng = random.Random(seed)
+    samples = []
+    for number in range(count):
+        length = rng.randint(2, 120)
+        prompt = rng.randint(0, length - 1)
+        mask = [0] * prompt + [1 if rng.random() > 0.05 else 0 for _ in range(length - prompt)]
+        ids = torch.tensor([rng.randrange(500) for _ in range(length)], dtype=torch.int32)
+        extra = {}
+        if top_k:
+            extra = dict(target_topk_ids=torch.randint(0, 500, (length, top_k), dtype=torch.int32),
+                         target_topk_logprobs=-torch.rand(length, top_k))
+        samples.append(Sample(f"s{number}", ids, torch.tensor(mask, dtype=torch.uint8), ids,
+                              torch.randn(length, width).to(torch.bfloat16), **extra))
+    return samples
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_vectorised_batch_equals_the_per_anchor_one_tensor_for_tensor(seed):
+    samples = random_samples(seed, count=1 + seed * 3)
+    window = [None, 3, 40][seed % 3]
+    block_size = [2, 4, 16][seed % 3]
+    settings = dict(anchors_per_sequence=[1, 5, 64][seed % 3], block_size=block_size, mask_token_id=7,
+                    anchor_seeds=[seed * 100 + i for i in range(len(samples))], sliding_window=window)
+    new, old = build_batch(samples, **settings), per_anchor_build_batch(samples, **settings)
+    for name in ("context_positions", "block_ids", "block_positions", "labels", "exists", "block_sequence"):
+        assert getattr(new, name).dtype == old[name].dtype, name
+        assert torch.equal(getattr(new, name), old[name]), name
+    assert new.context_tokens == old["context_tokens"]
+    assert torch.equal(new.features, torch.cat(old["features"]))
+    assert torch.equal(new.dense_mask(), old["mask"])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_block_mask_from_metadata_is_the_dense_mask_exactly(seed):
+    """The flex BlockMask's rule equals `dflash_mask` at every (query, key), sliding window and
+    padding included, and its tiles cover every visible pair."""
+    samples = random_samples(seed, count=2 + seed)
+    block_size = [2, 4, 16, 8][seed % 4]
+    batch = build_batch(samples, anchors_per_sequence=[3, 40][seed % 2], block_size=block_size, mask_token_id=7,
+                        anchor_seeds=list(range(len(samples))), sliding_window=[None, 5, 60][seed % 3])
+    if seed % 2:
+        batch = batch.padded(context_tokens=batch.features.shape[0] + 77, blocks=batch.block_sequence.shape[0] + 9, mask_token_id=7)
+    dense = batch.dense_mask()
+    block_mask = batch.block_mask()
+    queries, keys = dense.shape
+    assert torch.equal(create_mask(block_mask.mask_mod, None, None, queries, keys, device="cpu")[0, 0], dense)
+    tiles = block_mask.to_dense()[0, 0].bool()
+    tile = block_mask.BLOCK_SIZE[0]
+    covered = tiles[torch.arange(queries) // tile][:, torch.arange(keys) // tile]
+    assert not (dense & ~covered).any()
+    assert (dense.sum(1) > 0).all()  # padding blocks see themselves: no query row is empty (NaN)
+    # no more tiles than a mask built from the dense matrix, beyond a tile per row of slack
+    assert tiles.sum() <= to_block_mask(dense).to_dense().sum() + tiles.shape[0]
+
+
+def test_flex_attention_over_the_metadata_mask_equals_sdpa_over_the_dense_one():
+    torch.manual_seed(0)
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, vocab_size=100, block_size=4, target_layer_ids=(0, 1), num_target_layers=2, mask_token_id=99,
+                           sliding_window=20)
+    drafter = DFlashDrafter(config).eval()
+    samples = random_samples(3, count=5, width=config.feature_width)
+    batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=99, anchor_seeds=list(range(5)), sliding_window=20)
+    embeddings = torch.randn(batch.block_ids.shape[0], 32)
+    with torch.no_grad():
+        sdpa = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.attention_mask("sdpa"))
+        flex = drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions, batch.attention_mask("flex"),
+                                      attention="flex")
+    assert torch.allclose(sdpa, flex, atol=2e-5), (sdpa - flex).abs().max()
+
+
+@pytest.mark.slow
+def test_cpu_losses_equal_the_ones_before_the_step_was_made_sync_free(tiny_run, tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    for name, config in GOLDEN_CONFIGS.items():
+        curve = _train(tiny_run, tmp_path / name, config)["curve"]
+        assert len(curve) == len(golden[name])
+        for row, before in zip(curve, golden[name]):
+            assert set(row) - {"seconds"} == set(before), name
+            for key, value in before.items():
+                assert row[key] == pytest.approx(value, rel=2e-5, abs=1e-4), (name, row["step"], key)
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts the calls that bring a tensor's value to Python (on a GPU each waits for the device):
+    item, tolist, cpu, numpy, bool/int/float/index, nonzero, masked_select, unique, boolean-mask
+    indexing, repeat_interleave with tensor repeats. `paused` switches counting off (host work).
+    (`.to(device)` is not counted: on a CPU run it cannot tell a copy back from a no-op; the code
+    under test reads back with `.cpu()`/`.tolist()`.)"""
+
+    NAMES = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "masked_select", "unique",
+             "unique_consecutive", "argwhere"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+        self.paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused:
+            name = getattr(func, "__name__", str(func))
+            if name in self.NAMES:
+                self.calls.append(name)
+            elif name in ("__getitem__", "__setitem__") and self._boolean_index(args[1] if len(args) > 1 else None):
+                self.calls.append(f"{name}[bool]")
+            elif name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor) and "output_size" not in kwargs:
+                self.calls.append("repeat_interleave(tensor)")
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _boolean_index(index) -> bool:
+        items = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(item, torch.Tensor) and item.dtype == torch.bool for item in items)
+
+
+class Paused:
+    def __init__(self, counter: DeviceReads, function):
+        self.counter, self.function = counter, function
+
+    def __call__(self, *args, **kwargs):
+        self.counter.paused += 1
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            self.counter.paused -= 1
+
+
+def test_the_read_counter_sees_each_kind_of_read():
+    x = torch.arange(6.0)
+    with DeviceReads() as reads:
+        x.sum().item(), x.tolist(), bool(x[0] > 1), x[x > 2], x.nonzero(), float(x.max()), x.cpu()
+        torch.where(x > 2, x, 0).sum()  # not a read
+    assert reads.calls == ["item", "tolist", "__bool__", "__getitem__[bool]", "nonzero", "__float__", "cpu"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_a_steady_state_train_step_reads_nothing_back_from_the_device(tiny_run, tmp_path, monkeypatch, architecture):
+    """Over 40 steps the training loop reads device values only when the curve is read back:
+    once every READ_EVERY steps and at the end (validation and checkpoints, which are not
+    steady-state steps, and the host's batch building are left out of the count)."""
+    import dflash_pipeline.train.run as train_run
+
+    target, root = tiny_run
+    reads = DeviceReads()
+    for name in ("prepare_step", "validation_tau", "_save", "setup_run"):
+        monkeypatch.setattr(train_run, name, Paused(reads, getattr(train_run, name)))
+    read_back = train_run.read_back
+    flushes = []
+    monkeypatch.setattr(train_run, "read_back", lambda run, results: flushes.append(len(results)) or read_back(run, results))
+    config = replace(TINY_TRAIN, architecture=architecture, max_steps=40, eval_every=40, save_every=40)
+    with reads:
+        train_run.run_train(config, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
+                            out_dir=tmp_path / "ck", device="cpu", log=lambda *_: None)
+    assert flushes == [16, 16, 8]
+    assert reads.calls == ["tolist"] * 3
+
+
+@pytest.mark.slow
+def test_the_compiled_step_is_one_graph_that_never_recompiles(tiny_run, tmp_path):
+    """train.compile: forward, loss and backward (through AOTAutograd) compile with fullgraph=True
+    over the static padded shape; 32 steps of different batches reuse the one graph, and give the
+    eager step's losses. (The "aot_eager" backend: the graph capture and guards are dynamo's, the
+    same as inductor's, without minutes of CPU code generation.)"""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import dflash_pipeline.train.run as train_run
+
+    target, root = tiny_run
+    config = replace(TINY_TRAIN, architecture="dflash2", max_steps=32, eval_every=32, save_every=32)
+    losses = {}
+    for compiled in (False, True):
+        run = train_run.setup_run(replace(config, compile=compiled), target=target, train_dir=root / "hidden" / "train",
+                                  val_dir=root / "hidden" / "val", out_dir=tmp_path / f"ck{compiled}", device="cpu", log=lambda *_: None)
+        if compiled:
+            run.compile_backend = "aot_eager"
+            run.loss_fn = train_run._loss_function(run)
+            torch._dynamo.reset()
+            counters.clear()
+        shapes = set()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            results = []
+            for step in range(32):
+                prepared = train_run.prepare_step(run, step)
+                shapes.add((tuple(prepared.batch.features.shape), tuple(prepared.batch.block_ids.shape)))
+                results.append(train_run.train_step(run, step, prepared))
+        losses[compiled] = [row["loss"] for row in train_run.read_back(run, results)]
+        if compiled:
+            assert len(shapes) == 1  # padded to the static shape
+            assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+            assert not counters["graph_break"], dict(counters["graph_break"])
+        else:
+            assert len(shapes) > 10  # the batches do change
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+def test_the_block_mask_is_built_without_reading_the_device():
+    samples = random_samples(5, count=6)
+    batch = build_batch(samples, anchors_per_sequence=8, block_size=4, mask_token_id=7, anchor_seeds=list(range(6)), sliding_window=30)
+    with DeviceReads() as reads:
+        batch.block_mask()
+        batch.dense_mask()
+    assert reads.calls == []
+
+
+def test_the_flex_forward_compiles_whole_with_the_mask_built_inside():
+    """The GPU's path: the BlockMask is built from the metadata inside the compiled region, and
+    flex attention runs over it, with fullgraph=True and no recompile across padded batches.
+    (Forward only: torch has no flex backward on a CPU.)"""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    config = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=8, vocab_size=100, block_size=4, target_layer_ids=(0, 1), num_target_layers=2, mask_token_id=99,
+                           sliding_window=20)
+    drafter = DFlashDrafter(config).eval()
+
+    def forward(batch, embeddings):
+        return drafter.forward_blocks(batch.features, batch.context_positions, embeddings, batch.block_positions,
+                                      batch.attention_mask("flex"), attention="flex")
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            samples = random_samples(seed, count=5, width=config.feature_width)
+            batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=99, anchor_seeds=list(range(5)),
+                                sliding_window=20).padded(context_tokens=768, blocks=40, mask_token_id=99)
+            embeddings = torch.randn(batch.block_ids.shape[0], 32)
+            assert torch.allclose(compiled(batch, embeddings), forward(batch, embeddings), atol=1e-6)
+    assert not counters["graph_break"], dict(counters["graph_break"])
