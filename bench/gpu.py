@@ -165,6 +165,7 @@ def train_step_figures(work: Path, target, train_config, *, device: str, steps: 
         trained = sum(row["trained_positions"] for row in results)
         flops = training_flops(run.drafter, trained_positions=trained, context_tokens=context, vocab_rows=run.vocabulary.head_rows.shape[0])
         figures[name] = {"step_ms": round(1000 * seconds / steps, 2), "host_prepare_ms": round(host_ms, 2), "warmup_s": round(warm_s, 1),
+                         "features_resident": run.resident is not None,
                          "tokens_per_step": config.tokens_per_step, "tokens_per_s": round(context / seconds, 1),
                          "tflops": round(flops / seconds / 1e12, 3), "mfu": round(flops / seconds / (peak * 1e12), 4) if peak else None}
         print(f"  train step {name}: {figures[name]}", flush=True)

@@ -266,3 +266,27 @@ def test_the_flex_forward_compiles_whole_with_the_mask_built_inside():
             embeddings = torch.randn(batch.block_ids.shape[0], 32)
             assert torch.allclose(compiled(batch, embeddings), forward(batch, embeddings), atol=1e-6)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_resident_split_gives_the_same_steps_as_packed_features(tiny_run, tmp_path, compiled):
+    """On a GPU the train split's features live on the device and a step gathers its rows; the
+    steps equal those over features packed on the host (forced here on the CPU), padded or not."""
+    import dflash_pipeline.train.run as train_run
+
+    target, root = tiny_run
+    config = replace(TINY_TRAIN, architecture="dflash2", max_steps=5, compile=compiled)
+    losses = {}
+    for resident in (False, True):
+        run = train_run.setup_run(config, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
+                                  out_dir=tmp_path / f"ck{resident}", device="cpu", log=lambda *_: None)
+        run.compile_backend = "aot_eager"
+        run.loss_fn = train_run._loss_function(run)
+        if resident:
+            run.resident = train_run.ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1 << 30)
+            assert train_run.ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1000) is None  # too big: none
+        prepared = [train_run.prepare_step(run, step) for step in range(5)]
+        assert all((p.batch.features is None) == resident for p in prepared)
+        losses[resident] = [row["loss_value"] for row in train_run.read_back(run, [train_run.train_step(run, s, prepared[s]) for s in range(5)])]
+    assert losses[True] == losses[False]

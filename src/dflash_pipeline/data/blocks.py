@@ -11,6 +11,7 @@ rank or scorer it lands in: `training_anchor_seed` for the training steps, `scor
 for every held-out score (train's periodic τ and evaluate).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,9 @@ class Batch:
     """
 
     block_size: int  # B: slot 0 the anchor, slots 1..B-1 drafted; the one copy the batch's users read
-    features: torch.Tensor  # [C, N*H] every sequence's target features, packed
+    # [C, N*H] every sequence's target features, packed; or None while they are rows of a split
+    # held on the device (`feature_rows`, resolved by `with_features`)
+    features: torch.Tensor | None
     context_positions: torch.Tensor  # [C]
     context_sequence: torch.Tensor  # [C] index of the key's sequence within the batch (-1: padding)
     block_ids: torch.Tensor  # [Q] anchor token, then mask tokens, per block
@@ -70,6 +73,14 @@ class Batch:
     block_sequence: torch.Tensor  # [blocks] index of the block's sequence within the batch (-1: padding)
     context_tokens: int  # real context tokens (padding excluded)
     sliding_window: int | None = None  # the drafter's: context keys further back than this from the anchor are masked
+    feature_rows: torch.Tensor | None = None  # [C] each key's row in a resident feature table, when `features` is None
+
+    def with_features(self, table: torch.Tensor) -> "Batch":
+        """The batch with its features gathered from `table` (a split's features on the device,
+        rows as `feature_rows`): one gather instead of a copy from the host."""
+        if self.features is not None:
+            return self
+        return dataclasses.replace(self, features=table[self.feature_rows], feature_rows=None)
 
     @property
     def anchors(self) -> torch.Tensor:
@@ -112,9 +123,10 @@ class Batch:
         belong to no sequence (-1) and are never visible; a padding block sees only itself (a
         row with no visible key would be NaN), drafts mask tokens and has no slot that exists,
         so it carries zero loss weight."""
-        extra_context, extra_blocks = context_tokens - self.features.shape[0], blocks - self.block_sequence.shape[0]
+        keys = self.context_positions.shape[0]
+        extra_context, extra_blocks = context_tokens - keys, blocks - self.block_sequence.shape[0]
         if extra_context < 0 or extra_blocks < 0:
-            raise PipelineError(f"train: a step holds {self.features.shape[0]} context tokens and {self.block_sequence.shape[0]} blocks, "
+            raise PipelineError(f"train: a step holds {keys} context tokens and {self.block_sequence.shape[0]} blocks, "
                                 f"more than the static shape {context_tokens} x {blocks}")
         size = self.block_size
 
@@ -123,7 +135,8 @@ class Batch:
 
         return Batch(
             block_size=size,
-            features=grow(self.features, extra_context, 0),
+            features=None if self.features is None else grow(self.features, extra_context, 0),
+            feature_rows=None if self.feature_rows is None else grow(self.feature_rows, extra_context, 0),
             context_positions=grow(self.context_positions, extra_context, 0),
             context_sequence=grow(self.context_sequence, extra_context, -1),
             block_ids=grow(self.block_ids, extra_blocks * size, mask_token_id),
@@ -145,13 +158,15 @@ class Batch:
 
 
 def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_token_id: int, anchor_seeds: list[int],
-                sliding_window: int | None = None, pin_memory: bool = False) -> Batch:
+                sliding_window: int | None = None, pin_memory: bool = False, feature_starts: list[int] | None = None) -> Batch:
     """Pack sequences and their anchors into one DFlash forward's inputs.
 
     Each sequence draws its anchors from its own seed (`anchor_seeds`). `sliding_window` is the
     drafter's: context keys further back than that from the anchor are masked, as at decoding.
     Everything past the per-sequence anchor draw is a handful of whole-batch tensor ops.
     `pin_memory` packs the features into page-locked memory, so the copy to a GPU is asynchronous.
+    `feature_starts` (each sample's first row in a feature table held on the device) packs no
+    features at all: the batch carries their rows (`feature_rows`, `Batch.with_features`).
     """
     anchor_lists = [draw_anchors(sample.loss_mask, anchors_per_sequence, seed) for sample, seed in zip(samples, anchor_seeds)]
     counts = torch.tensor([len(anchors) for anchors in anchor_lists])
@@ -164,9 +179,13 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
     context_positions = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)
     ids = torch.cat([sample.input_ids.long() for sample in samples])
     answer = torch.cat([sample.loss_mask.bool() for sample in samples])
-    pieces = [sample.features for sample in samples]
-    features = torch.empty((ids.shape[0], pieces[0].shape[1]), dtype=pieces[0].dtype, pin_memory=pin_memory)
-    torch.cat(pieces, out=features)
+    features = feature_rows = None
+    if feature_starts is None:
+        pieces = [sample.features for sample in samples]
+        features = torch.empty((ids.shape[0], pieces[0].shape[1]), dtype=pieces[0].dtype, pin_memory=pin_memory)
+        torch.cat(pieces, out=features)
+    else:
+        feature_rows = torch.tensor(feature_starts).repeat_interleave(lengths) + context_positions
 
     block_sequence = sequences.repeat_interleave(counts)
     anchors = torch.tensor([anchor for anchors in anchor_lists for anchor in anchors], dtype=torch.long)
@@ -188,4 +207,5 @@ def build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_tok
         block_sequence=block_sequence,
         context_tokens=int(lengths.sum()),
         sliding_window=sliding_window,
+        feature_rows=feature_rows,
     )
