@@ -10,6 +10,15 @@ that verifies all of them in one target forward, and the walk that finds what th
 
 One implementation serves the `ddtreeK_streak` metric (`scoring`) and tree decoding (`engine`), so
 the teacher-forced streak and the end-to-end tree acceptance describe the same tree.
+
+The device twins (issue #28) build the same tree and mask with static shapes and no read back to
+the host, so a GPU decode step can run them inside one compiled graph:
+
+    build_draft_tree_tensors    `build_draft_tree` as a fixed `budget` of argmax pops over a fixed
+                                frontier of 2 * budget + 1 candidates (DraftTreeTensors, padded)
+    DraftTree.from_tensors      its result read back into a DraftTree (host paths, tests)
+    tree_attention_visibility   the visible part of `tree_attention_mask`, from `parents` by at
+                                most D - 1 hops up the tree
 """
 
 import heapq
@@ -18,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 ANCHOR = -1  # the parent of the first drafted slot's nodes: the block's anchor token
+PADDING = -2  # the parent of DraftTreeTensors' padding nodes: neither a node nor the anchor, so no walk enters them
 
 
 @dataclass
@@ -60,6 +70,13 @@ class DraftTree:
 
         return len(self.walk(token_after)[0])
 
+    @classmethod
+    def from_tensors(cls, tree: "DraftTreeTensors") -> "DraftTree":
+        """The nodes [0, count) of a device-built tree, read back (this waits for the device)."""
+        count = int(tree.count)
+        return cls(tokens=tree.tokens[:count].tolist(), parents=tree.parents[:count].tolist(),
+                   depths=tree.depths[:count].tolist())
+
 
 def build_draft_tree(logprobs, token_ids, budget: int) -> DraftTree:
     """The tree of the `budget` most probable drafted prefixes.
@@ -93,6 +110,159 @@ def build_draft_tree(logprobs, token_ids, budget: int) -> DraftTree:
         if slot + 1 < depth:
             heapq.heappush(heap, (negative - logprobs[slot + 1][0], path + (0,), node, -negative))
     return tree
+
+
+@dataclass
+class DraftTreeTensors:
+    """A draft tree as device tensors of a fixed length, `budget`: nodes [0, count) are
+    `build_draft_tree`'s nodes in its order; the rest are padding (token 0, parent PADDING,
+    depth -1), which no walk enters and no node of the tree sees."""
+
+    tokens: torch.Tensor  # [budget], token_ids' dtype
+    parents: torch.Tensor  # [budget] int64: parent node, ANCHOR for depth 0, PADDING past count
+    depths: torch.Tensor  # [budget] int64: drafted slot - 1, -1 past count
+    count: torch.Tensor  # 0-dim int64: how many nodes the tree has (< budget when candidates run out)
+
+
+@dataclass(frozen=True)
+class RankPathKeys:
+    """An exact integer encoding of rank paths that orders them as Python tuples do.
+
+    A path (r_0, ..., r_d) is the digit string (r_0 + 1, ..., r_d + 1, 0, ..., 0) of `slots` digits
+    in base `base`: the trailing zeros make a prefix smaller than its extensions. The digits are
+    cut into `chunks` int64 keys of `digits` digits each, most significant first, so comparing
+    the keys chunk by chunk compares the paths lexicographically.
+
+    Bounds: an offered rank is <= width (rank width: a sibling past the last candidate, never
+    opened), and a candidate offered by the t-th pop (t < budget) has rank <= t + 1 <= budget (its
+    r earlier siblings were popped first), so every frontier row's digit is <= min(width, budget) + 1
+    and base = min(width, budget) + 2. `digits` is the largest n with base**n < 2**63, so no key
+    overflows or reaches int64's maximum (kept as the "not a candidate" sentinel). With D = 15:
+    one key while min(width, budget) <= 16, two up to 232 (width = budget = 64: base 66, 10
+    digits a key), three beyond. Any sizes fit: the number of keys grows with the base.
+    """
+
+    slots: int
+    base: int
+    digits: int
+
+    @classmethod
+    def for_sizes(cls, slots: int, width: int, budget: int) -> "RankPathKeys":
+        base = min(width, budget) + 2
+        digits = 1
+        while base ** (digits + 1) < 2**63:
+            digits += 1
+        assert base**digits < 2**63, f"rank digits in base {base} do not fit an int64 key"
+        return cls(slots=slots, base=base, digits=digits)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.slots // self.digits)
+
+    def encode(self, path: tuple[int, ...]) -> tuple[int, ...]:
+        """The keys of one rank path, on the host (what the device's frontier rows hold)."""
+        digits = [rank + 1 for rank in path] + [0] * (self.chunks * self.digits - len(path))
+        return tuple(sum(digit * self.base ** (self.digits - 1 - place) for place, digit in enumerate(digits[start : start + self.digits]))
+                     for start in range(0, len(digits), self.digits))
+
+    def place_values(self, device) -> torch.Tensor:
+        """[slots + 1, chunks] int64: row s adds one to slot s's digit. The extra zero row serves the
+        child offered past the last slot (never opened)."""
+        values = [[0] * self.chunks for _ in range(self.slots + 1)]
+        for slot in range(self.slots):
+            values[slot][slot // self.digits] = self.base ** (self.digits - 1 - slot % self.digits)
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+NOT_A_CANDIDATE = torch.iinfo(torch.int64).max  # above every RankPathKeys key
+
+# The frontier's integer columns (one row per offered candidate); its key chunks follow.
+SLOT, RANK, PARENT, KEYS = 0, 1, 2, 3
+# Its float64 columns.
+SCORE, PARENT_SCORE = 0, 1
+
+
+def build_draft_tree_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeTensors:
+    """`build_draft_tree` on the device: the same nodes in the same order (same float64 sums, same
+    tie order), with static shapes and no read back to the host.
+
+    logprobs / token_ids [D, K] on any device, each slot's K best tokens in `ranked_candidates`'
+    order. The host heap pops at most `budget` times and each pop offers at most two candidates
+    (the next sibling and the first child), so a frontier of 2 * budget + 1 rows holds every
+    candidate ever offered: row 0 the root, rows 2t + 1 and 2t + 2 the t-th pop's offers. Each of
+    the `budget` iterations (a Python loop over a fixed int: it unrolls under torch.compile) takes
+    the open row of the highest score, of those the smallest rank path (`RankPathKeys`), and
+    closes it. Once no row is open the remaining iterations write padding. Log-probs may be -inf
+    (such candidates tie and go by rank path, as on the host), not NaN.
+    """
+    assert logprobs.dim() == 2 and tuple(logprobs.shape) == tuple(token_ids.shape), \
+        f"logprobs {tuple(logprobs.shape)} and token_ids {tuple(token_ids.shape)} must both be [D, K]"
+    slots, width = logprobs.shape
+    device = logprobs.device
+    budget = max(budget, 0)
+    if slots == 0 or width == 0 or budget == 0:
+        return DraftTreeTensors(tokens=torch.zeros(budget, dtype=token_ids.dtype, device=device),
+                                parents=torch.full((budget,), PADDING, dtype=torch.int64, device=device),
+                                depths=torch.full((budget,), -1, dtype=torch.int64, device=device),
+                                count=torch.zeros((), dtype=torch.int64, device=device))
+    keys = RankPathKeys.for_sizes(slots, width, budget)
+    place = keys.place_values(device)
+    flat_scores = logprobs.double().reshape(-1)  # float64 like the host's Python floats: the sums agree bit for bit
+    flat_ids = token_ids.reshape(-1)
+    rows = 2 * budget + 1
+    row_numbers = torch.arange(rows, device=device)
+
+    # the root candidate: slot 0, rank 0, under the anchor, its score the first log-prob
+    integers = torch.zeros(rows, KEYS + keys.chunks, dtype=torch.int64, device=device)
+    integers[0, PARENT] = ANCHOR
+    integers[0, KEYS:] = place[0]
+    floats = torch.zeros(rows, 2, dtype=torch.float64, device=device)
+    floats[0, SCORE] = flat_scores[0]
+    open_rows = row_numbers == 0
+
+    tokens, parents, depths, grown = [], [], [], []
+    for pop in range(budget):
+        # the host heap's minimum: highest score, then smallest rank path (rank paths are unique)
+        best_score = torch.where(open_rows, floats[:, SCORE], -torch.inf).max()
+        tied = open_rows & (floats[:, SCORE] == best_score)
+        best = first_rank_path(integers[:, KEYS:], tied)  # [1]
+        any_open = open_rows.any().reshape(1)
+        popped = integers.index_select(0, best)[0]
+        popped_floats = floats.index_select(0, best)[0]
+        slot, rank, parent = popped[SLOT : SLOT + 1], popped[RANK : RANK + 1], popped[PARENT : PARENT + 1]
+        score, parent_score = popped_floats[SCORE : SCORE + 1], popped_floats[PARENT_SCORE : PARENT_SCORE + 1]
+        path_key = popped[KEYS:]
+
+        tokens.append(torch.where(any_open, flat_ids.index_select(0, slot * width + rank), 0))
+        parents.append(torch.where(any_open, parent, PADDING))
+        depths.append(torch.where(any_open, slot, -1))
+        grown.append(any_open)
+
+        # offers: the next sibling (same parent, rank + 1) and the first child (next slot, rank 0);
+        # indices are clamped where an offer does not exist, and such a row stays closed
+        sibling_rank = rank + 1
+        sibling_score = parent_score + flat_scores.index_select(0, slot * width + sibling_rank.clamp(max=width - 1))
+        sibling = torch.cat([slot, sibling_rank, parent, path_key + place.index_select(0, slot)[0]])
+        child_slot = slot + 1
+        child_score = score + flat_scores.index_select(0, child_slot.clamp(max=slots - 1) * width)
+        child = torch.cat([child_slot, torch.zeros_like(rank), torch.full_like(parent, pop), path_key + place.index_select(0, child_slot)[0]])
+        integers[2 * pop + 1 : 2 * pop + 3] = torch.stack([sibling, child])
+        floats[2 * pop + 1 : 2 * pop + 3] = torch.stack([torch.cat([sibling_score, parent_score]), torch.cat([child_score, score])])
+        open_rows = open_rows & (row_numbers != best)
+        open_rows[2 * pop + 1 : 2 * pop + 3] = torch.cat([any_open & (sibling_rank < width), any_open & (child_slot < slots)])
+
+    return DraftTreeTensors(tokens=torch.cat(tokens), parents=torch.cat(parents), depths=torch.cat(depths),
+                            count=torch.cat(grown).sum())
+
+
+def first_rank_path(path_keys: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """[1]: the row of the lexicographically smallest key row among `candidates` (path_keys [N, C]
+    int64, candidates bool [N]); row 0 when there is none. Narrows the candidates one key chunk at
+    a time, then takes the first minimum of the last chunk (distinct paths: a single row)."""
+    for chunk in range(path_keys.shape[1] - 1):
+        column = path_keys[:, chunk]
+        candidates = candidates & (column == torch.where(candidates, column, NOT_A_CANDIDATE).min())
+    return torch.where(candidates, path_keys[:, -1], NOT_A_CANDIDATE).argmin().reshape(1)
 
 
 def ranked_candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,3 +315,28 @@ def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype, device) 
 def tree_positions(tree: DraftTree, past: int) -> list[int]:
     """Position ids of [anchor, nodes...]: a node sits at anchor + its depth + 1."""
     return [past] + [past + 1 + depth for depth in tree.depths]
+
+
+def tree_attention_visibility(parents: torch.Tensor, past: int, max_depth: int) -> torch.Tensor:
+    """The visible part of `tree_attention_mask` on the device: bool [1 + n, past + 1 + n] over
+    rows [anchor, node 0, ..., node n-1] and columns [cache, anchor, nodes], from parents [n]
+    (a DraftTreeTensors' or any tree's: ANCHOR for depth 0) with no read back. Every row sees the
+    cache and the anchor; a node also sees its ancestors and itself. A padding node (parent PADDING)
+    sees the cache, the anchor and itself only, so its row is never empty; no node sees it.
+
+    A node of depth d has d ancestors among the nodes, so max_depth - 1 hops (max_depth: the
+    number of drafted slots D) reach every one of them; more are harmless.
+    """
+    count = parents.shape[0]
+    device = parents.device
+    nodes = torch.arange(count, device=device)
+    sees = nodes[:, None] == nodes[None, :]  # itself
+    parents = parents.to(torch.int64)
+    ancestor = parents
+    for _ in range(max(min(max_depth, count) - 1, 0)):
+        sees = sees | (ancestor[:, None] == nodes[None, :])  # ANCHOR and PADDING match no node
+        ancestor = torch.where(ancestor >= 0, parents.gather(0, ancestor.clamp(min=0)), ancestor)
+    anchor_row = torch.cat([torch.ones(1, past + 1, dtype=torch.bool, device=device),
+                            torch.zeros(1, count, dtype=torch.bool, device=device)], dim=1)
+    node_rows = torch.cat([torch.ones(count, past + 1, dtype=torch.bool, device=device), sees], dim=1)
+    return torch.cat([anchor_row, node_rows])
