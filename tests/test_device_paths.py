@@ -242,7 +242,8 @@ def test_gpu_bench_dry_run(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     figures = json.loads(out.read_text())
     assert "section_errors" not in figures, figures["section_errors"]
-    assert figures["sections_done"] == ["capture / forward", "train step", "train + evaluate", "scoring"]
+    assert figures["sections_done"] == ["decode", "capture / forward", "train step", "train + evaluate", "scoring"]
+    assert figures["decode_step_ms_batch1"] > 0 and figures["decode_static_vs_transformers_batch"] > 0
     for key in ("capture_vs_forward", "train_tokens_per_s", "train_mfu", "flex_vs_sdpa_step", "batched_vs_one_block",
                 "e2e_speedup", "verify_cost_decode_steps", "pipeline_tau", "scoring_vs_host_dense_mask", "train_host_prepare_ms"):
         assert key in figures, key

@@ -139,3 +139,26 @@ def test_embedded_default_converts_to_identical_logits(embedded_target):
     again = prepare_target(TargetConfig(), out_dir=out_dir)
     assert again == info
     assert (out_dir / "model" / "model.safetensors").stat().st_mtime_ns == stamp_mtime
+
+
+@pytest.mark.slow
+def test_static_kv_generation_answers_the_default_prompts_as_transformers_does(embedded_target):
+    """The real target, fp32 on a CPU: the static-KV decode loop (`generate.static_greedy_generate`,
+    issue #28) gives transformers' own forward's greedy answers token for token, for the first
+    default prompts of each category in one left-padded batch."""
+    from dflash_pipeline.data.prompts import read_prompts
+    from dflash_pipeline.generate import dynamic_greedy_generate, render_prompt, static_greedy_generate
+    from dflash_pipeline.target.load import load_target
+
+    out_dir, _ = embedded_target
+    model, tokenizer = load_target(TargetInfo.from_json(out_dir / "target.json"))
+    prompts, seen = [], set()
+    for prompt in read_prompts(Path(__file__).parents[1] / "data" / "prompts" / "default.jsonl", val_fraction=0.1).prompts:
+        if prompt.category not in seen:
+            seen.add(prompt.category)
+            prompts.append(render_prompt(tokenizer, prompt, system_prompt=None, enable_thinking=False))
+    prompts = prompts[:6]
+    expected = dynamic_greedy_generate(model, prompts, max_new_tokens=48, eos_ids={2}, pad_id=2)
+    got = static_greedy_generate(model, prompts, max_new_tokens=48, eos_ids={2}, pad_id=2)
+    assert len({len(p) for p in prompts}) > 1
+    assert [(a.token_ids, a.finish_reason) for a in got] == [(a.token_ids, a.finish_reason) for a in expected]

@@ -52,8 +52,81 @@ def render_prompt(tokenizer, prompt: Prompt, *, system_prompt: str | None, enabl
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+# Finished rows are read back this often (the loop stops early once every row has ended): the
+# only device-to-host read of the static path's decode loop besides the answers at the end.
+READ_EVERY = 16
+
+
+def decoding_engine(model) -> str:
+    """The kernel path `greedy_generate` takes for this model, recorded in the generate settings
+    so answers of one path are never mixed with another's (they can part at bf16 near-ties)."""
+    from dflash_pipeline.decoding.static_decoder import supports
+
+    if not supports(model):
+        return "transformers-dynamic-cache"
+    return "static-kv-cuda-graph" if next(model.parameters()).device.type == "cuda" else "static-kv"
+
+
 def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, on_step=None) -> list[Answer]:
-    """Greedy-decode a batch of prompts with left padding and a shared KV cache.
+    """Greedy-decode a batch of prompts with left padding: over a static KV cache where the
+    target's layers allow it (`decoding.static_decoder`), else transformers' forward.
+    `on_step(new_tokens, finished_rows)` reports progress."""
+    if decoding_engine(model) == "transformers-dynamic-cache":
+        return dynamic_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
+    return static_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
+
+
+def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
+                           on_step=None) -> list[Answer]:
+    """The batch stays whole: a row that ends keeps stepping on padding (free while a step is
+    bound by latency, and the shapes never change), its tokens and its end are kept on the
+    device, and the host reads how many rows ended every READ_EVERY steps. On a GPU the step is
+    a replayed CUDA graph."""
+    import torch
+
+    from dflash_pipeline.decoding.static_decoder import GraphedStep, StaticDecoder
+
+    device = next(model.parameters()).device
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    valid = torch.zeros((batch, width), dtype=torch.bool)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        valid[row, width - len(ids):] = True
+    decoder = StaticDecoder(model, batch=batch, length=width + max_new_tokens)
+    tokens = decoder.prefill(input_ids.to(device), valid.to(device)).argmax(-1)
+    step = GraphedStep(decoder) if device.type == "cuda" else decoder.step
+    eos = torch.tensor(sorted(eos_ids), device=device)
+    out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    ended = torch.zeros(batch, dtype=torch.bool, device=device)
+    produced = torch.zeros((), dtype=torch.long, device=device)  # answer tokens so far (a row's EOS included)
+    reported_tokens = reported_rows = 0
+    with torch.no_grad():
+        for t in range(max_new_tokens):
+            produced += (~ended).sum()
+            out[:, t] = torch.where(ended, pad_id, tokens)
+            ended |= torch.isin(tokens, eos)
+            last = t + 1 == max_new_tokens
+            if last or (t + 1) % READ_EVERY == 0:
+                tokens_so_far, rows_ended = torch.stack([produced, ended.sum()]).tolist()
+                rows_ended = batch if last else rows_ended  # the rest end at the length cap
+                if on_step is not None:
+                    on_step(tokens_so_far - reported_tokens, rows_ended - reported_rows)
+                reported_tokens, reported_rows = tokens_so_far, rows_ended
+                if rows_ended == batch:
+                    break
+            tokens = step(torch.where(ended, pad_id, tokens)).argmax(-1)
+    answers = []
+    for ids in out.tolist():
+        stop = next((i for i, token in enumerate(ids) if token in eos_ids), None)
+        answers.append(Answer(ids[: stop + 1], "stop") if stop is not None else Answer(ids, "length"))
+    return answers
+
+
+def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
+                            on_step=None) -> list[Answer]:
+    """Greedy-decode a batch of prompts with left padding and a shared KV cache (transformers'
+    forward: any target).
 
     Rows that finish leave the batch (their cache rows are dropped), so a long answer does not
     make short ones pay for its steps. `on_step(new_tokens, finished_rows)` reports progress.
@@ -117,7 +190,7 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos
     return [Answer(token_ids=answers[row], finish_reason=finish[row]) for row in range(batch)]
 
 
-def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtype: str) -> dict:
+def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtype: str, engine: str) -> dict:
     """Everything that changes an answer; cached answers are reused only when this matches."""
     return {
         "target_fingerprint": target.fingerprint,
@@ -126,6 +199,7 @@ def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtyp
         "max_new_tokens": config.max_new_tokens,
         "compute_dtype": compute_dtype,
         "decoding": "greedy",
+        "engine": engine,
     }
 
 
@@ -237,7 +311,7 @@ def run_generate(
 
     model, tokenizer = load_target(target, device=device)
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    settings = generation_settings(config, target, compute_dtype)
+    settings = generation_settings(config, target, compute_dtype, decoding_engine(model))
     cache = AnswerCache(out_dir / "chunks", settings)
     if cache.discarded:
         print(f"generate: settings changed since the cached answers; discarded {cache.discarded} chunk(s)")

@@ -231,6 +231,9 @@ def load_target(info: TargetInfo, *, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash_pipeline.devices import configure_attention
+
+    configure_attention(device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if not (info.path / "config.json").is_file():
         raise PipelineError(f"{info.path}: target model folder is gone; rerun the `target` stage (dvc repro target)")
