@@ -21,10 +21,14 @@ def test_the_tiny_llama_takes_the_static_path(tiny_target):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_static_answers_equal_transformers_answers(tiny_target, seed):
+def test_static_answers_equal_transformers_answers(tiny_target, seed, monkeypatch):
     """Left padding of very different lengths, rows ending at EOS at different steps (a common
-    token made EOS), the length cap: token for token what transformers' forward answers."""
+    token made EOS) and leaving the batch at the reads (on a CPU), the length cap: token for token
+    what transformers' forward answers."""
     model = tiny_target[0]
+    kept = []
+    keep_rows = StaticDecoder.keep_rows
+    monkeypatch.setattr(StaticDecoder, "keep_rows", lambda self, rows: kept.append(rows.numel()) or keep_rows(self, rows))
     prompts = _prompts(7, seed)
     reference = dynamic_greedy_generate(model, prompts, max_new_tokens=40, eos_ids={2}, pad_id=2)
     frequent = max(set(t for a in reference for t in a.token_ids), key=lambda t: sum(a.token_ids.count(t) for a in reference))
@@ -33,6 +37,7 @@ def test_static_answers_equal_transformers_answers(tiny_target, seed):
         got = static_greedy_generate(model, prompts, max_new_tokens=40, eos_ids=eos, pad_id=2)
         assert [(a.token_ids, a.finish_reason) for a in got] == [(a.token_ids, a.finish_reason) for a in expected]
     assert any(a.finish_reason == "stop" for a in got) and any(len(a.token_ids) < 40 for a in got)
+    assert kept and all(0 < count < 7 for count in kept)  # rows that ended left the batch
 
 
 def test_the_step_equals_transformers_logits(tiny_target):

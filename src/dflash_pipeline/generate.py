@@ -78,10 +78,10 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos
 
 def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                            on_step=None) -> list[Answer]:
-    """The batch stays whole: a row that ends keeps stepping on padding (free while a step is
-    bound by latency, and the shapes never change), its tokens and its end are kept on the
-    device, and the host reads how many rows ended every READ_EVERY steps. On a GPU the step is
-    a replayed CUDA graph."""
+    """Tokens and ends are kept on the device and the host reads which rows ended every
+    READ_EVERY steps. On a GPU the batch stays whole (an ended row steps on padding: free while a
+    step is bound by latency, and the replayed CUDA graph keeps its shapes); on a CPU, where a
+    step costs in proportion to its rows, the rows that ended leave the batch at each read."""
     import torch
 
     from dflash_pipeline.decoding.static_decoder import GraphedStep, StaticDecoder
@@ -95,26 +95,32 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
         valid[row, width - len(ids):] = True
     decoder = StaticDecoder(model, batch=batch, length=width + max_new_tokens)
     tokens = decoder.prefill(input_ids.to(device), valid.to(device)).argmax(-1)
-    step = GraphedStep(decoder) if device.type == "cuda" else decoder.step
+    graphed = device.type == "cuda"
+    step = GraphedStep(decoder) if graphed else decoder.step
     eos = torch.tensor(sorted(eos_ids), device=device)
     out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    rows = torch.arange(batch, device=device)  # the prompt each batch row answers
     ended = torch.zeros(batch, dtype=torch.bool, device=device)
     produced = torch.zeros((), dtype=torch.long, device=device)  # answer tokens so far (a row's EOS included)
     reported_tokens = reported_rows = 0
     with torch.no_grad():
         for t in range(max_new_tokens):
             produced += (~ended).sum()
-            out[:, t] = torch.where(ended, pad_id, tokens)
+            out[rows, t] = torch.where(ended, pad_id, tokens)
             ended |= torch.isin(tokens, eos)
             last = t + 1 == max_new_tokens
             if last or (t + 1) % READ_EVERY == 0:
-                tokens_so_far, rows_ended = torch.stack([produced, ended.sum()]).tolist()
-                rows_ended = batch if last else rows_ended  # the rest end at the length cap
+                tokens_so_far, *still = torch.cat([produced.view(1), (~ended).long()]).tolist()  # the one read
+                rows_ended = batch if last else batch - rows.shape[0] + (len(still) - sum(still))
                 if on_step is not None:
                     on_step(tokens_so_far - reported_tokens, rows_ended - reported_rows)
                 reported_tokens, reported_rows = tokens_so_far, rows_ended
                 if rows_ended == batch:
                     break
+                if not graphed and not all(still):
+                    keep = torch.tensor([row for row, alive in enumerate(still) if alive], device=device)
+                    decoder.keep_rows(keep)
+                    rows, tokens, ended = rows[keep], tokens[keep], ended[keep]
             tokens = step(torch.where(ended, pad_id, tokens)).argmax(-1)
     answers = []
     for ids in out.tolist():

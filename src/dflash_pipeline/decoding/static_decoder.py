@@ -94,6 +94,12 @@ class StaticDecoder:
         self.column.fill_(width)
         return self.model.lm_head(hidden[:, -1])
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Only these batch rows from now on (a smaller batch: new tensors, so not under a graph)."""
+        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        self.valid, self.positions = self.valid[rows], self.positions[rows]
+        self.batch = rows.shape[0]
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row [B] at the next column -> next-token logits [B, V]. Every tensor it
         touches has a fixed shape and address (what a CUDA graph replays)."""
