@@ -499,7 +499,8 @@ def read_back(run: TrainingRun, results: list[StepResult]) -> list[dict]:
 
 
 class NonFiniteLoss(PipelineError):
-    """The loss became NaN or infinite; the step was not applied."""
+    """The loss became NaN or infinite. Found when the curve is read (every READ_EVERY steps and
+    before every checkpoint), so the weights it made are never saved."""
 
 
 def validation_tau(run: TrainingRun) -> dict:
