@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding.static_decoder import StaticDecoder, supports
-from dflash_pipeline.generate import READ_EVERY, decoding_engine, dynamic_greedy_generate, greedy_generate, static_greedy_generate
+from dflash_pipeline.generate import READ_EVERY, decoding_engine, dynamic_greedy_generate, left_padded, static_greedy_generate
 from test_step_contract import DeviceReads
 
 
@@ -42,12 +42,8 @@ def test_static_answers_equal_transformers_answers(tiny_target, seed, monkeypatc
 
 def test_the_step_equals_transformers_logits(tiny_target):
     model = tiny_target[0]
-    prompts = _prompts(4, 5)
-    width = max(map(len, prompts))
-    ids = torch.full((4, width), 2)
-    valid = torch.zeros(4, width, dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):], valid[row, width - len(prompt):] = torch.tensor(prompt), True
+    ids, valid = left_padded(_prompts(4, 5), 2)
+    width = ids.shape[1]
     decoder = StaticDecoder(model, batch=4, length=width + 8)
     logits = decoder.prefill(ids, valid)
     with torch.inference_mode():
@@ -99,12 +95,8 @@ def test_the_step_compiles_whole_and_never_recompiles_over_64_steps(tiny_target)
     from torch._dynamo.utils import counters
 
     model = tiny_target[0]
-    prompts = _prompts(3, 2)
-    width = max(map(len, prompts))
-    ids = torch.full((3, width), 2)
-    valid = torch.zeros(3, width, dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):], valid[row, width - len(prompt):] = torch.tensor(prompt), True
+    ids, valid = left_padded(_prompts(3, 2), 2)
+    width = ids.shape[1]
     eager, compiled_decoder = (StaticDecoder(model, batch=3, length=width + 70) for _ in range(2))
     tokens = eager.prefill(ids, valid).argmax(-1)
     compiled_decoder.prefill(ids, valid)

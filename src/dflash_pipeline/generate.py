@@ -76,6 +76,19 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos
     return static_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
 
 
+def left_padded(prompts: list[list[int]], pad_id: int):
+    """Prompts right-aligned in one [B, W] id tensor, and the [B, W] mask of their real tokens."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        valid[row, width - len(ids):] = True
+    return input_ids, valid
+
+
 def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                            on_step=None) -> list[Answer]:
     """Tokens and ends are kept on the device and the host reads which rows ended every
@@ -87,12 +100,8 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
     from dflash_pipeline.decoding.static_decoder import GraphedStep, StaticDecoder
 
     device = next(model.parameters()).device
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    valid = torch.zeros((batch, width), dtype=torch.bool)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        valid[row, width - len(ids):] = True
+    input_ids, valid = left_padded(prompts, pad_id)
+    batch, width = input_ids.shape
     decoder = StaticDecoder(model, batch=batch, length=width + max_new_tokens)
     tokens = decoder.prefill(input_ids.to(device), valid.to(device)).argmax(-1)
     graphed = device.type == "cuda"
@@ -141,13 +150,9 @@ def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: 
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    batch, width = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        attention[row, width - len(ids):] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
+    input_ids, attention = left_padded(prompts, pad_id)
+    batch = input_ids.shape[0]
+    input_ids, attention = input_ids.to(device), attention.long().to(device)
     positions = attention.sum(-1)  # position of the next token per row
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
