@@ -276,7 +276,7 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     ours, baseline = rows["checkpoint"], rows["baseline"]
     assert comparable(ours) == comparable(baseline)
     assert baseline["vs_chosen"]["tau"] == 0 and baseline["vs_chosen"]["tau_ci95"] == 0  # paired over prompts: exactly no difference
-    assert "export vs step_000004: tau difference +0.0000 +- 0.0000" in result.stderr + result.stdout
+    assert "export vs step_000004: tau difference +0.0000 ± 0.0000" in result.stderr + result.stdout
     assert "not distinguishable at 95%" in result.stderr + result.stdout
     manifest = json.loads((tiny.val / "manifest.json").read_text())
     assert ours["teacher_forced"]["blocks"] == manifest["loss_tokens"] - manifest["sequences"]  # --anchors 0: every answer position but the last
@@ -359,14 +359,14 @@ def test_compare_runs_pairs_the_chosen_drafters_by_prompt(tmp_path):
     committed = _eval_folder(tmp_path / "committed", taus)
     same = invoke("compare-runs", committed, _eval_folder(tmp_path / "again", taus))
     assert same.exit_code == 0 and "on the same val blocks" in same.stdout
-    assert "difference +0.0000 +- 0.0000 (paired over 4 prompts): not distinguishable at 95%" in same.stdout
+    assert "difference +0.0000 ± 0.0000 (paired over 4 prompts): not distinguishable at 95%" in same.stdout
     # another machine: one prompt's answer (so its blocks) differs, another prompt is missing
     drifted = {"p1": [1, 2, 2, 3], "p2": [4, 4, 3, 1], "p3": [1, 1, 2]}
     other = invoke("compare-runs", committed, _eval_folder(tmp_path / "other", drifted))
     assert "different val blocks" in other.stdout and "paired over 3 prompts" in other.stdout
     assert "not distinguishable at 95%" in other.stdout
     better = invoke("compare-runs", _eval_folder(tmp_path / "better", {p: [t + 1 for t in v] for p, v in taus.items()}), committed)
-    assert "difference +1.0000 +- 0.0000" in better.stdout and "is better" in better.stdout
+    assert "difference +1.0000 ± 0.0000" in better.stdout and "is better" in better.stdout
     assert_one_line_error(invoke("compare-runs", committed, _eval_folder(tmp_path / "old", taus, with_prompt_ids=False)),
                           "old/blocks.parquet: has no prompt_id column")
     (tmp_path / "empty").mkdir()

@@ -204,10 +204,13 @@ def test_paired_difference_cancels_the_spread_between_prompts():
     own_half = summarize_blocks(ours).tau.ci95
     assert own_half > 1.5 and half < 0.25  # each drafter's own interval would never separate them
     assert comparison_verdict("ours", "theirs", mean, half, prompts) == (
-        "ours vs theirs: tau difference +0.3750 +- 0.2450 (paired over 4 prompts): ours is better")
+        "ours vs theirs: tau difference +0.3750 ± 0.2450 (paired over 4 prompts): ours is better")
     assert paired_difference(theirs, ours)[0] == pytest.approx(-0.375)
     assert comparison_verdict("a", "b", 0.1, 0.2, 4).endswith("not distinguishable at 95%")
     assert comparison_verdict("a", "b", -0.3, 0.2, 4).endswith("a is worse")
+    # One shared prompt has no interval: the console says so in the one spelling, never "inf" or "None".
+    assert comparison_verdict("a", "b", 0.5, float("inf"), 1) == "a vs b: tau difference +0.5000 ± n/a (paired over 1 prompts): " \
+                                                                   "not distinguishable at 95%"
 
 
 def test_per_slot_acceptance_conditional_and_unconditional():

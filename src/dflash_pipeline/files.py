@@ -25,8 +25,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: Path, data) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+def json_text(data, *, sort_keys: bool = True, ensure_ascii: bool = True) -> str:
+    """`data` as strict JSON text (`strict_json`: NaN and infinities become null), two-space
+    indented, with a final newline: the one way the pipeline spells a JSON file."""
+    return json.dumps(strict_json(data), indent=2, sort_keys=sort_keys, ensure_ascii=ensure_ascii, allow_nan=False) + "\n"
+
+
+def write_json_atomic(path: Path, data, *, sort_keys: bool = True) -> None:
+    write_text_atomic(path, json_text(data, sort_keys=sort_keys))
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -115,7 +121,7 @@ def write_metrics(path: Path, metrics) -> None:
     """A metrics JSON file (strict JSON, atomic, sorted keys), its folder created if needed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, strict_json(metrics))
+    write_json_atomic(path, metrics)
 
 
 def pyplot():

@@ -33,6 +33,7 @@ from dflash_pipeline.evaluate.record import CandidateRecord, Decoding, Evaluatio
 from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.data.shards import open_split
+from dflash_pipeline.stats import format_interval
 from dflash_pipeline.target.load import load_target_head
 
 # ----------------------------------------------------------------------------- drafters
@@ -178,7 +179,7 @@ def score_candidates(candidates: list[Candidate], head, val_set, categories: lis
                                        block_size=candidate.drafter.config.block_size, num_layers=candidate.drafter.config.num_layers,
                                        teacher_forced=scored))
         blocks[candidate.name] = scores
-        log(f"evaluate: {candidate.name}: tau {scored.tau.mean:.3f} +- {scored.tau.ci95:.3f} over {scored.blocks} blocks "
+        log(f"evaluate: {candidate.name}: tau {format_interval(scored.tau.mean, scored.tau.ci95)} over {scored.blocks} blocks "
             f"of {scored.prompts} prompts ({scored.seconds:.1f} s)")
     return records, blocks
 
