@@ -317,28 +317,36 @@ def weights_line(files: list[Path]) -> str:
 
 
 def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.drafters.checkpoints import weights_problem
     from dflash_pipeline.drafters.core import DrafterConfig
+    from dflash_pipeline.files import read_json
 
     info = read_json(folder / "checkpoint.json", missing="unreadable")
     if "drafter" not in info:
         raise PipelineError(f"{folder / 'checkpoint.json'}: no drafter config (not a training checkpoint)")
+    problem = weights_problem(folder, info)  # the weights a later `evaluate` or `export` would read
+    if problem:
+        raise PipelineError(problem)
     metrics = info.get("metrics") or {}
     lines = [("kind", "training checkpoint"), ("step", info.get("step")), ("target fingerprint", info.get("target_fingerprint"))]
     lines += drafter_lines(DrafterConfig.from_dict(info["drafter"]))
-    lines += [("weights", weights_line([folder / "model.safetensors"])),
+    checked = "; sha256 matches checkpoint.json" if info.get("weights_sha256") else ""
+    lines += [("weights", weights_line([folder / "model.safetensors"]) + checked),
               ("metrics", ", ".join(f"{k} {v}" for k, v in sorted(metrics.items())) or None),
               ("git revision", info.get("git_revision"))]
     return lines
 
 
 def drafter_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving
+    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving, provenance_problems
     from dflash_pipeline.files import read_json
 
     config_path = folder / "config.json"
     config = drafter_config_from_serving(read_json(config_path, missing="unreadable"), where=config_path)
     provenance = read_json(folder / PROVENANCE_FILE, missing="unreadable") if (folder / PROVENANCE_FILE).is_file() else None
+    problems = provenance_problems(folder, provenance) if provenance is not None else []
+    if problems:
+        raise PipelineError(problems[0])
     source = (provenance or {}).get("source") or {}
     if provenance is not None:
         config = replace(config, extra=(provenance.get("drafter") or {}).get("extra") or {})
@@ -347,7 +355,9 @@ def drafter_contract(folder: Path) -> list[tuple[str, object]]:
     if source.get("checkpoint"):
         lines.append(("exported from", f"{source['checkpoint']} (step {source.get('step')})"))
     lines += drafter_lines(config)
-    lines.append(("weights", weights_line(sorted(folder.glob("*.safetensors")))))
+    recorded = (provenance or {}).get("files") or {}
+    checked = f"; sha256 of {len(recorded)} file(s) match {PROVENANCE_FILE}" if recorded else ""
+    lines.append(("weights", weights_line(sorted(folder.glob("*.safetensors"))) + checked))
     return lines
 
 
@@ -380,7 +390,9 @@ def show(folder):
     The kind is detected from the folder's files: checkpoint.json (a training checkpoint),
     config.json (the serving format, ours or published), manifest.json (a capture split; a capture
     output shows each of its splits). Printed: target fingerprint, target layer ids, hidden size,
-    block size, mask token, dtype and counts. Reads metadata only, never the weights themselves.
+    block size, mask token, dtype and counts. The weights are not loaded; where the folder records
+    their sha256 (checkpoints and exports of this pipeline) it is checked, and a damaged file is
+    one error line naming it.
 
     \b
     Examples:

@@ -30,9 +30,9 @@ from dflash_pipeline.data.blocks import Batch, build_batch, training_anchor_seed
 from dflash_pipeline.drafters.checkpoints import (
     list_checkpoints,
     load_resume_state,
+    record_changes,
     remove_checkpoints,
-    save_checkpoint,
-    save_resume_state,
+    save_step,
     step_folder,
 )
 from dflash_pipeline.config import TrainConfig
@@ -582,10 +582,9 @@ def _latest_tau(curve: list[dict]) -> dict:
 def _save(run: TrainingRun, out_dir: Path, step: int) -> None:
     latest = _latest_tau(run.curve)
     metrics = {"step": step, "loss": _mean(run.recent_losses), "tau_tf": latest.get("tau"), "tau_tf_ci95": latest.get("tau_ci95")}
-    save_checkpoint(out_dir, step=step, drafter=run.drafter, record=run.record, metrics=metrics)
+    save_step(out_dir, step=step, drafter=run.drafter, optimizer=run.optimizer, curve=run.curve, record=run.record, metrics=metrics,
+              extra={"recent_losses": run.recent_losses, "tokens_seen": run.tokens_seen, "seconds": run.seconds})
     run.last_saved = step
-    save_resume_state(out_dir, step=step, optimizer=run.optimizer, curve=run.curve, record=run.record,
-                      extra={"recent_losses": run.recent_losses, "tokens_seen": run.tokens_seen, "seconds": run.seconds})
 
 
 def _final_metrics(run: TrainingRun) -> dict:
