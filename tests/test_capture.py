@@ -199,9 +199,9 @@ def test_refuses_to_start_without_disk_space(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "config, message",
     [
-        (CaptureConfig(layer_ids=[1, 4]), r"capture.layer_ids has 4, outside 0..3"),
-        (CaptureConfig(layer_ids=[2, 2]), r"capture.layer_ids \[2, 2\] repeats a layer"),
-        (CaptureConfig(num_layers=2), r"capture.num_layers=2 repeats layers \[1, 1\] on a 4-layer target"),
+        (CaptureConfig(layer_ids=[1, 4]), r"^params.yaml: key 'capture.layer_ids' must hold layers in 0..3 for this target, got 4$"),
+        (CaptureConfig(layer_ids=[2, 2]), r"^params.yaml: key 'capture.layer_ids' repeats a layer, got \[2, 2\]$"),
+        (CaptureConfig(num_layers=2), r"^params.yaml: key 'capture.num_layers' repeats layers \[1, 1\] on a 4-layer target .*, got 2$"),
     ],
 )
 def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):

@@ -345,8 +345,8 @@ def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
     folders = [tmp_path / f"step_{s:06d}" for s in (100, 200, 300)]
     assert select_checkpoints(folders, "final") == folders[-1:]
     assert select_checkpoints(folders, [100, 300]) == [folders[0], folders[2]]
-    with pytest.raises(PipelineError, match="evaluate.checkpoints asks for step 250"):
-        select_checkpoints(folders, [250])
+    with pytest.raises(PipelineError, match=r"^my-params.yaml: key 'evaluate.checkpoints' asks for step 250, .*, got \[250\]$"):
+        select_checkpoints(folders, [250], source="my-params.yaml")
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -57,18 +57,20 @@ from dflash_pipeline.target.load import LayerTap, TargetInfo, build_target_layer
 SPLITS = ("train", "val")
 
 
-def resolve_layer_ids(config: CaptureConfig, num_target_layers: int) -> list[int]:
+def resolve_layer_ids(config: CaptureConfig, num_target_layers: int, *, source: str = "params.yaml") -> list[int]:
+    """The target layers to tap; a choice this target cannot serve is one line naming `source` (the params file) and the key."""
     layer_ids = list(config.layer_ids) if config.layer_ids is not None else build_target_layer_ids(num_target_layers, config.num_layers)
     for layer_id in layer_ids:
         if not 0 <= layer_id < num_target_layers:
-            raise PipelineError(f"params.yaml: capture.layer_ids has {layer_id}, outside 0..{num_target_layers - 1} for this target")
+            raise PipelineError(f"{source}: key 'capture.layer_ids' must hold layers in 0..{num_target_layers - 1} for this target, "
+                                f"got {layer_id}")
     if len(set(layer_ids)) != len(layer_ids):
         if config.layer_ids is None:
             raise PipelineError(
-                f"params.yaml: capture.num_layers={config.num_layers} repeats layers {layer_ids} on a "
-                f"{num_target_layers}-layer target; set capture.layer_ids explicitly"
+                f"{source}: key 'capture.num_layers' repeats layers {layer_ids} on a {num_target_layers}-layer target "
+                f"(set capture.layer_ids explicitly), got {config.num_layers}"
             )
-        raise PipelineError(f"params.yaml: capture.layer_ids {layer_ids} repeats a layer")
+        raise PipelineError(f"{source}: key 'capture.layer_ids' repeats a layer, got {layer_ids}")
     return layer_ids
 
 

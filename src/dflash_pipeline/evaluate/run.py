@@ -67,8 +67,8 @@ def check_drafter_contract(config: DrafterConfig, *, target, layer_ids: list[int
         raise PipelineError(f"{source}: drafter mask_token_id {config.mask_token_id} is outside the vocabulary (0..{config.vocab_size - 1})")
 
 
-def select_checkpoints(folders: list[Path], which) -> list[Path]:
-    """`which`: "final", "all" or a list of steps (each must exist)."""
+def select_checkpoints(folders: list[Path], which, *, source: str = "params.yaml") -> list[Path]:
+    """`which`: "final", "all" or a list of steps (each must exist; `source` names the params file that asks)."""
     if not folders:
         raise PipelineError("evaluate: no checkpoints found; run the `train` stage first (dvc repro train)")
     if which == "final":
@@ -78,7 +78,8 @@ def select_checkpoints(folders: list[Path], which) -> list[Path]:
     by_step = {int(folder.name.split("_")[1]): folder for folder in folders}
     missing = [step for step in which if step not in by_step]
     if missing:
-        raise PipelineError(f"params.yaml: evaluate.checkpoints asks for step {missing[0]}, which has no checkpoint (have {sorted(by_step)})")
+        raise PipelineError(f"{source}: key 'evaluate.checkpoints' asks for step {missing[0]}, which has no checkpoint "
+                            f"(have {sorted(by_step)}), got {which!r}")
     return [by_step[step] for step in which]
 
 
@@ -259,7 +260,7 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
                  checkpoint_folders: list[Path] | None = None, baseline_dirs: list[Path] | None = None, device: str = "cpu",
-                 log=print) -> EvaluationResult:
+                 log=print, source: str = "params.yaml") -> EvaluationResult:
     """Score checkpoints and baselines.
 
     Checkpoints: `checkpoint_folders` when given (any folders with checkpoint.json), else those of
@@ -270,7 +271,8 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
     if checkpoint_folders is not None:
         folders = [Path(folder) for folder in checkpoint_folders]
     else:
-        folders = select_checkpoints(list_checkpoints(checkpoints_dir), config.checkpoints) if checkpoints_dir is not None else []
+        folders = (select_checkpoints(list_checkpoints(checkpoints_dir), config.checkpoints, source=source)
+                   if checkpoints_dir is not None else [])
     baselines = [Path(b) for b in (baseline_dirs if baseline_dirs is not None else config.baselines)]
     candidates = load_candidates(checkpoint_folders=folders, baseline_dirs=baselines, target=target, layer_ids=manifest.layer_ids,
                                  device=device)

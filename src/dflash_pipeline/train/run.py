@@ -189,10 +189,11 @@ def channel_rms_scale(train_set, *, max_tokens: int = 65536) -> torch.Tensor:
 
 
 def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
-              log=print) -> TrainingRun:
+              log=print, source: str = "params.yaml") -> TrainingRun:
     """Shards, drafter, frozen head, optimizer and step plan; resumed from `out_dir` when it holds
-    a checkpoint of this exact run configuration, else `out_dir` is cleared of other runs' ones."""
-    architecture = choose_architecture(config)  # a bad architecture or option stops before any work
+    a checkpoint of this exact run configuration, else `out_dir` is cleared of other runs' ones.
+    `source`: the params file `config` came from, named in configuration errors."""
+    architecture = choose_architecture(config, source=source)  # a bad architecture or option stops before any work
     device, world, rank = _init_distributed(device)
     on_gpu = device.startswith("cuda")
     torch.manual_seed(config.seed)
@@ -204,12 +205,13 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     if config.mask_token_id is not None:
         mask_token_id, mask_reason = config.mask_token_id, "set in params (train.mask_token_id)"
         if not 0 <= mask_token_id < target.vocab_size:
-            raise PipelineError(f"params.yaml: train.mask_token_id {mask_token_id} is outside the vocabulary (0..{target.vocab_size - 1})")
+            raise PipelineError(f"{source}: key 'train.mask_token_id' must be in the vocabulary of the target (0..{target.vocab_size - 1}), "
+                                f"got {mask_token_id}")
     else:
         mask_token_id, mask_reason = choose_mask_token(target, _used_token_ids(train_set, val_set))
     gamma = config.gamma if config.gamma is not None else default_gamma(config.block_size)
     drafter_config = drafter_config_for(target, config, layer_ids=manifest.layer_ids, mask_token_id=mask_token_id,
-                                        extra={"mask_token": mask_reason, "gamma": gamma})
+                                        extra={"mask_token": mask_reason, "gamma": gamma}, source=source)
     check_contract(manifest, target=target, drafter_config=drafter_config, source=str(train_dir / "manifest.json"))
     if config.distill_weight > 0 and manifest.target_top_k == 0:
         raise PipelineError(f"{train_dir / 'manifest.json'}: train.distill_weight {config.distill_weight} needs the target's top-k, "
@@ -484,7 +486,7 @@ def _mean(values: list[float]) -> float | None:
 
 
 def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
-              log=print) -> dict:
+              log=print, source: str = "params.yaml") -> dict:
     """Train (or resume) a drafter; return the final metrics and curve. Rank 0 writes every file.
 
     A run that finds itself already finished (resumed at its last step) reports the metrics of
@@ -494,7 +496,7 @@ def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
 
     from dflash_pipeline.progress import progress
 
-    run = setup_run(config, target=target, train_dir=train_dir, val_dir=val_dir, out_dir=out_dir, device=device, log=log)
+    run = setup_run(config, target=target, train_dir=train_dir, val_dir=val_dir, out_dir=out_dir, device=device, log=log, source=source)
     rank, world = run.rank, run.world
     bar = progress(total=config.max_steps, initial=run.start_step, desc="train", unit="step", disable=rank != 0)
     started, seconds_before = time.perf_counter(), run.seconds
