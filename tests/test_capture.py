@@ -3,6 +3,7 @@
 import filecmp
 import hashlib
 import json
+import re
 import shutil
 import sys
 
@@ -211,6 +212,19 @@ def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):
     generated = write_generated(tmp_path / "generated", {"train": 2, "val": 1})
     with pytest.raises(PipelineError, match=message):
         capture.run_capture(config, target=info, generated_dir=generated, out_dir=tmp_path / "o", device="cpu")
+
+
+def test_a_split_without_sequences_is_refused_before_the_target_loads(tiny, tmp_path, monkeypatch):
+    from dflash_pipeline import capture
+    from dflash_pipeline.target import load
+
+    info, _, _ = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 3, "val": 0})
+    monkeypatch.setattr(load, "load_target", lambda *a, **k: pytest.fail("the target was loaded for a capture that cannot be used"))
+    with pytest.raises(PipelineError, match=rf"^capture: {re.escape(str(generated / 'val.parquet'))}: the val split has no sequence "
+                                            r"to capture \(0 row\(s\)\); rerun generate with more prompts$"):
+        capture.run_capture(CaptureConfig(layer_ids=[1, 3]), target=info, generated_dir=generated, out_dir=tmp_path / "o", device="cpu")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
 def _flip_a_feature_byte(shard):

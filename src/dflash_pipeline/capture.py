@@ -546,10 +546,22 @@ def _publish(work_dir: Path, out_dir: Path) -> None:
     os.replace(work_dir, out_dir)
 
 
-def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str) -> dict:
+def check_split_sizes(sequences: dict[str, list[Sequence]], stats: dict[str, Counter], generated_dir: Path) -> None:
+    """Refuse, before any forward, a split left without a sequence: train has nothing to learn from,
+    and the val split is what train and evaluate score (a one-prompt file gives 0 val prompts)."""
+    for split in SPLITS:
+        if not sequences[split]:
+            counts = ", ".join(f"{key} {value}" for key, value in sorted(stats[split].items()) if key != "rows")
+            raise PipelineError(f"capture: {generated_dir / (split + '.parquet')}: the {split} split has no sequence to capture "
+                                f"({stats[split]['rows']} row(s){'; ' + counts if counts else ''}); rerun generate with more prompts")
+
+
+def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str,
+                source: str = "params.yaml") -> dict:
     """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0):
     what the shards hold under "splits", and this run's work and timings under "this_run".
-    The work happens in `staging_dir(out_dir)`, renamed to `out_dir` at the end."""
+    The work happens in `staging_dir(out_dir)`, renamed to `out_dir` at the end. `source`: the
+    params file `config` came from, named in configuration errors."""
     import torch
     import torch.distributed as dist
 
@@ -566,7 +578,11 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
         dist.init_process_group(backend=backend)
         barrier = dist.barrier
     try:
-        layer_ids = resolve_layer_ids(config, target.num_layers)
+        layer_ids = resolve_layer_ids(config, target.num_layers, source=source)
+        loaded = {split: load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
+                  for split in SPLITS}
+        check_split_sizes({split: pair[0] for split, pair in loaded.items()}, {split: pair[1] for split, pair in loaded.items()},
+                          Path(generated_dir))
         model, tokenizer = load_target(target, device=device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         tap = LayerTap(model, layer_ids)
@@ -576,7 +592,7 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
             _adopt_finished_output(out_dir, work_dir)
         summary = {"layer_ids": layer_ids, "splits": {}, "this_run": {}}
         for split in SPLITS:
-            sequences, stats = load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
+            sequences, stats = loaded[split]
             started = time.perf_counter()
             manifest, written = capture_split(
                 sequences, stats, split=split, model=model, tap=tap, target=target, config=config,

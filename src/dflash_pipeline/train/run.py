@@ -169,6 +169,12 @@ def _open_shards(target: TargetInfo, train_dir: Path, val_dir: Path) -> tuple[Sh
     if val_set.manifest.layer_ids != train_set.manifest.layer_ids:
         raise PipelineError(f"{val_dir / 'manifest.json'}: layer_ids {val_set.manifest.layer_ids} differ from train's "
                             f"{train_set.manifest.layer_ids}")
+    for name, dataset, folder in (("train", train_set, train_dir), ("val", val_set, val_dir)):
+        # Found here, before step 1: the val split is scored every eval_every steps, and an empty
+        # one would otherwise stop the run there (generate and capture refuse one when they make it).
+        if len(dataset) == 0:
+            raise PipelineError(f"train: {folder / 'manifest.json'}: the {name} split holds no sequence; rerun generate with "
+                                f"more prompts (or pin some to {name} with a \"split\" field)")
     return train_set, val_set
 
 
