@@ -307,7 +307,10 @@ def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
             message = (f"starting fresh: no checkpoint of this run configuration can be continued ({_listed(point.skipped)}); "
                        f"removing {stale} checkpoint(s)")
         else:
-            message = f"starting fresh; removing {stale} checkpoint(s) of a different run configuration" if point.skipped else ""
+            # Every key of the record is part of what the run computes: train.max_steps too, since the
+            # learning-rate schedule runs to it (README, "Parameters and experiments").
+            changes = f" ({record_changes(point.other_record, run.record)})" if point.other_record is not None else ""
+            message = f"starting fresh; removing {stale} checkpoint(s) of a different run configuration{changes}" if point.skipped else ""
         if message:
             log(f"train: {message}")
         remove_checkpoints(out_dir)
