@@ -22,6 +22,9 @@ are done: a killed run's shards wait there for the rerun, so the DVC output need
 output out of its cache (`dvc unprotect`, a full copy of the shards when they are hard links),
 while a plain output is deleted, which only unlinks (bench/dvc_costs.py). A run outside DVC
 that finds a finished `<out>` and no `.partial` starts from it, so its shards are reused as before.
+When DVC serves `<out>` from its run cache instead of running the stage (a rerun after a kill, with
+settings it has seen), a killed run's `.partial` stays behind: `make repro` removes it
+(`dflash-pipeline verify --repair`, README "Recovery").
 
 A shard already there is kept only when its sha256 equals a record made when it was written:
 its `.sha256` file (a run not finished yet) or the previous manifest (a finished one; both are
@@ -40,7 +43,7 @@ from typing import NamedTuple
 
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import format_bytes, reuse_or_reset, sha256_file
+from dflash_pipeline.files import format_bytes, reuse_or_reset, sha256_file, staging_dir
 from dflash_pipeline.data.prompts import read_generated
 from dflash_pipeline.data.shards import (
     SHA256_SUFFIX,
@@ -524,11 +527,6 @@ def capture_split(
                                feature_dtype=config.feature_dtype)
     return manifest, {"shards_written": len(missing), "shards_kept": len(plan.shards) - len(missing),
                       "tokens_written": sum(plan.shard_tokens[n] for n in missing)}
-
-
-def staging_dir(out_dir: Path) -> Path:
-    """Where a capture into `out_dir` works until both splits are done (module docstring)."""
-    return out_dir.with_name(out_dir.name + ".partial")
 
 
 def _adopt_finished_output(out_dir: Path, work_dir: Path) -> None:

@@ -3,6 +3,7 @@
     dflash-pipeline evaluate data/checkpoints/step_000900 path/to/zlab-drafter \\
         --target data/target/target.json --shards data/hidden/val --prompts data/generated/val.parquet
     dflash-pipeline verify-shards data/hidden/val --target data/target/target.json
+    dflash-pipeline verify --repair
     dflash-pipeline show data/checkpoints/step_000900
     dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
     dflash-pipeline compare-runs data/eval other-clone/data/eval
@@ -277,6 +278,56 @@ def verify_shards(folder, target_path):
         click.echo(f"{split}: ok, {manifest.sequences} sequences, {manifest.tokens} tokens ({manifest.loss_tokens} answer) in "
                    f"{len(manifest.shards)} shard(s) of {format_bytes(sum(s.bytes for s in manifest.shards))}; layers {manifest.layer_ids} "
                    f"x {manifest.hidden_size} in {manifest.feature_dtype}; target {manifest.target_fingerprint[:12]}{checked}")
+
+
+@main.command(short_help="Check a whole run for damage; --repair removes it.")
+@click.argument("root", metavar="DIR", type=EXISTING_DIR, default=".")
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default=None,
+              help="The target stage's target.json (default: DIR/data/target/target.json).")
+@click.option("--hidden", "hidden_dir", type=click.Path(path_type=Path), default=None,
+              help="The capture output (default: DIR/data/hidden).")
+@click.option("--checkpoints", "checkpoints_dir", type=click.Path(path_type=Path), default=None,
+              help="The train output (default: DIR/data/checkpoints).")
+@click.option("--export", "export_dir", type=click.Path(path_type=Path), default=None,
+              help="The export output (default: DIR/data/export/drafter).")
+@click.option("--repair", is_flag=True,
+              help="Remove damaged files with their DVC cache objects (and restore cache objects from good copies), "
+                   "and leftover staging folders; then `dvc pull` or `dvc repro` brings good copies back.")
+@one_line_errors
+def verify(root, target_json, hidden_dir, checkpoints_dir, export_dir, repair):
+    """Check a whole run against the digests its files carry: the converted target (target.json),
+    the shards (each split's manifest), every checkpoint's weights and resume state
+    (checkpoint.json), the export (dflash_pipeline.json), leftover staging folders, and every DVC
+    cache object dvc.lock's outputs name (each must hash to its name: with hard links a flipped bit
+    in an output is in its cache object too, which DVC trusts without rehashing).
+
+    DIR is the pipeline's repository (default: here). Prints one line per problem and exits 1
+    when there are any. --repair removes each damaged file with the cache objects that are the same
+    file (for a checkpoint, also every newer step: train writes them again), restores a damaged
+    cache object from a good copy in the workspace or removes it, and removes leftovers; then
+    `dvc pull` (from a remote) or `dvc repro` brings good copies back. `make repro` runs it.
+
+    \b
+    Example:
+      dflash-pipeline verify
+      dflash-pipeline verify --repair && dvc repro
+    """
+    from dflash_pipeline.integrity import RunPaths, check_run, repair as repair_run
+
+    paths = RunPaths.at(root, target=target_json, hidden=hidden_dir, checkpoints=checkpoints_dir, export=export_dir)
+    findings = check_run(paths)
+    for finding in findings:
+        click.echo(f"verify: {finding.problem}")
+    if not findings:
+        click.echo(f"verify: {root}: no damage found (target, shards, checkpoints, export, DVC cache) and no leftover")
+        return
+    if not repair:
+        raise PipelineError(f"{root}: {len(findings)} problem(s) found; `dflash-pipeline verify --repair`, then `dvc pull` or "
+                            "`dvc repro` (README, Recovery)")
+    for line in repair_run(paths, findings):
+        click.echo(f"verify: {line}")
+    if any(finding.kind != "leftover" for finding in findings):
+        click.echo("verify: repaired; now `dvc pull` (a pushed run) or `dvc repro` (recomputed) brings good copies back")
 
 
 # ----------------------------------------------------------------------------- show

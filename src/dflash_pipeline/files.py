@@ -24,6 +24,17 @@ import shutil
 from pathlib import Path
 
 
+STAGING_SUFFIX = ".partial"
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """Where a stage that publishes a folder in one rename works until it is done (capture): a
+    killed run's work waits there for the rerun. Once the output exists it is a leftover, which
+    `dflash-pipeline verify --repair` (run by `make repro`) removes, whatever served the output."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + STAGING_SUFFIX)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
