@@ -394,7 +394,7 @@ def repair(paths: RunPaths, findings: list[Finding]) -> list[str]:
             if path.exists():
                 holds_damage = any(path == file or path in file.parents for file in damaged)
                 _remove(path)
-                done.append(f"removed {path}" + (" (damaged)" if holds_damage else " (a step after a damaged one: train writes it again)"))
+                done.append(f"removed {path}" + (" (damaged)" if holds_damage else " (of or after a damaged step: train writes it again)"))
         for finding in (f for f in findings if f.kind == "leftover"):
             _remove(finding.path)
             done.append(f"removed leftover {finding.path}")
