@@ -1,5 +1,5 @@
 # Two commands on a fresh clone (see README):
-#   make repro   install everything, then run the default pipeline (dvc repro)
+#   make repro   install everything, then run the default pipeline (dvc repro), check it and repair damage
 #   make test    install everything, then run the whole test suite
 # and for the edit-test loop and a first look:
 #   make test-fast  the unit lane: tests not marked slow, dvc or subprocess (pyproject.toml markers)
@@ -40,8 +40,16 @@ $(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 
 repro: install
 	dvc repro
+	# DVC trusts its cache without rehashing, and with hard links an output and its cache file are one
+	# inode: a flipped bit there is restored by the run cache and relinked onto rebuilt files. So the
+	# run's digests and every cache object of dvc.lock are checked, what is damaged is removed (a cache
+	# object with a good copy beside it is restored from it), with leftover staging folders (a killed
+	# capture's data/hidden.partial that the run cache made moot), and dvc repro rebuilds what went.
+	dflash-pipeline verify --repair
+	dvc repro
 	# An output that a rerun reproduced byte for byte stays a second copy beside its cache file
-	# (DVC links only objects new to the cache); relinking frees that space without copying.
+	# (DVC links only objects new to the cache); relinking frees that space without copying, and now
+	# links only to cache files just checked.
 	dvc checkout --relink -q
 
 test: install

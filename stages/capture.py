@@ -34,7 +34,8 @@ def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Pat
 
     config = load_params(params_path).capture
     target = TargetInfo.from_json(target_json)
-    summary = run_capture(config, target=target, generated_dir=generated_dir, out_dir=out_dir, device=device or default_device())
+    summary = run_capture(config, target=target, generated_dir=generated_dir, out_dir=out_dir, device=device or default_device(),
+                          source=str(params_path))
     if summary["splits"]:
         this_run = summary.pop("this_run")
         write_json_atomic(out_dir / "summary.json", summary)

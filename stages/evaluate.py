@@ -31,18 +31,19 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
     from dflash_pipeline.config import load_params
     from dflash_pipeline.evaluate.report import summary_table, write_outputs
     from dflash_pipeline.evaluate.run import run_evaluate
+    from dflash_pipeline.stats import format_interval
     from dflash_pipeline.target.load import TargetInfo
 
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)
     result = run_evaluate(config, target=target, hidden_val_dir=hidden_dir / "val", generated_val=generated_dir / "val.parquet",
-                          checkpoints_dir=checkpoints_dir, device=device or default_device(), log=click.echo)
+                          checkpoints_dir=checkpoints_dir, device=device or default_device(), log=click.echo, source=str(params_path))
     write_outputs(result, out_dir=out_dir, metrics_path=metrics_path, plots_dir=plots_dir)
     evaluation = result.record
     click.echo(summary_table(evaluation))
     chosen = evaluation.chosen_record
     scored, decoding = chosen.teacher_forced, chosen.decoding
-    line = f"evaluate: chosen {chosen.name} (teacher-forced tau {scored.tau.mean} +- {scored.tau.ci95})"
+    line = f"evaluate: chosen {chosen.name} (teacher-forced tau {format_interval(scored.tau.mean, scored.tau.ci95, digits=4)})"
     if decoding is not None:
         chain = decoding.chain
         line += (f"; end-to-end tau {chain.tau.mean}, speedup {chain.speedup} (break-even tau on this machine {chain.break_even_tau}), "

@@ -27,6 +27,7 @@ def main(params_path, best_json, out_dir):
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.export import export_checkpoint
     from dflash_pipeline.files import read_json
+    from dflash_pipeline.stats import format_interval
 
     config = load_params(params_path).export
     best = read_json(best_json, missing="no evaluation choice; run the `evaluate` stage first (dvc repro evaluate)")
@@ -34,7 +35,8 @@ def main(params_path, best_json, out_dir):
         raise PipelineError(f"{best_json}: the chosen drafter is a {best.get('kind')!r}, not a checkpoint of this run; nothing to export")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
     folder = export_checkpoint(Path(best["path"]), out_dir, dtype=dtype)
-    click.echo(f"export: {best['name']} (teacher-forced tau {best['tau']} +- {best['tau_ci95']}) -> {folder} ({config.dtype})")
+    click.echo(f"export: {best['name']} (teacher-forced tau {format_interval(best['tau'], best['tau_ci95'], digits=4)}) -> {folder} "
+               f"({config.dtype})")
 
 
 if __name__ == "__main__":

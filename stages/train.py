@@ -26,6 +26,7 @@ def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir,
     """Train the drafter; checkpoints go to OUT/step_NNNNNN, metrics and curves beside."""
     offline_by_default()
     from dflash_pipeline.config import load_params
+    from dflash_pipeline.stats import format_interval
     from dflash_pipeline.train.report import write_train_outputs
     from dflash_pipeline.target.load import TargetInfo
     from dflash_pipeline.train.run import run_train
@@ -33,12 +34,12 @@ def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir,
     config = load_params(params_path).train
     target = TargetInfo.from_json(target_json)
     result = run_train(config, target=target, train_dir=hidden_dir / "train", val_dir=hidden_dir / "val",
-                       out_dir=out_dir, device=device or default_device())
+                       out_dir=out_dir, device=device or default_device(), source=str(params_path))
     if int(os.environ.get("RANK", "0")) != 0:
         return
     write_train_outputs(result, metrics_path=metrics_path, plots_dir=plots_dir)
-    click.echo(f"train: step {result['steps']}, loss {result['loss']}, held-out teacher-forced tau {result['tau_tf']} "
-               f"+- {result['tau_tf_ci95']}, {result['tokens_per_s']} context tokens/s")
+    click.echo(f"train: step {result['steps']}, loss {result['loss']}, held-out teacher-forced tau "
+               f"{format_interval(result['tau_tf'], result['tau_tf_ci95'], digits=4)}, {result['tokens_per_s']} context tokens/s")
 
 
 if __name__ == "__main__":

@@ -235,6 +235,30 @@ def tiny_pipeline(pipeline_repo, tiny_llama_dir):
     return pipeline_repo
 
 
+def flip_a_byte(path: Path, offset: int | None = None) -> None:
+    """Bit rot: one byte of `path` inverted in place (same inode, so a hard-linked DVC cache file
+    flips with it; mode and mtime kept, as a disk error leaves them). Default: the middle byte, which
+    lies in the tensor data of a safetensors file and in the buffers of an Arrow shard."""
+    path = Path(path)
+    status = path.stat()
+    os.chmod(path, status.st_mode | 0o200)
+    with open(path, "r+b") as handle:
+        handle.seek(status.st_size // 2 if offset is None else offset)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    os.chmod(path, status.st_mode)
+    os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+
+
+def strict_json_load(path: Path):
+    """A JSON file parsed as strict readers do: a bare NaN, Infinity or -Infinity fails the test."""
+    def refuse(constant):
+        raise AssertionError(f"{path}: bare {constant} (not strict JSON)")
+
+    return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=refuse)
+
+
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` by relative path: two equal results mean byte-identical trees."""
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(Path(folder).rglob("*")) if path.is_file()}

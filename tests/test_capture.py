@@ -3,6 +3,7 @@
 import filecmp
 import hashlib
 import json
+import re
 import shutil
 import sys
 
@@ -199,9 +200,9 @@ def test_refuses_to_start_without_disk_space(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "config, message",
     [
-        (CaptureConfig(layer_ids=[1, 4]), r"capture.layer_ids has 4, outside 0..3"),
-        (CaptureConfig(layer_ids=[2, 2]), r"capture.layer_ids \[2, 2\] repeats a layer"),
-        (CaptureConfig(num_layers=2), r"capture.num_layers=2 repeats layers \[1, 1\] on a 4-layer target"),
+        (CaptureConfig(layer_ids=[1, 4]), r"^params.yaml: key 'capture.layer_ids' must hold layers in 0..3 for this target, got 4$"),
+        (CaptureConfig(layer_ids=[2, 2]), r"^params.yaml: key 'capture.layer_ids' repeats a layer, got \[2, 2\]$"),
+        (CaptureConfig(num_layers=2), r"^params.yaml: key 'capture.num_layers' repeats layers \[1, 1\] on a 4-layer target .*, got 2$"),
     ],
 )
 def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):
@@ -211,6 +212,19 @@ def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):
     generated = write_generated(tmp_path / "generated", {"train": 2, "val": 1})
     with pytest.raises(PipelineError, match=message):
         capture.run_capture(config, target=info, generated_dir=generated, out_dir=tmp_path / "o", device="cpu")
+
+
+def test_a_split_without_sequences_is_refused_before_the_target_loads(tiny, tmp_path, monkeypatch):
+    from dflash_pipeline import capture
+    from dflash_pipeline.target import load
+
+    info, _, _ = tiny
+    generated = write_generated(tmp_path / "generated", {"train": 3, "val": 0})
+    monkeypatch.setattr(load, "load_target", lambda *a, **k: pytest.fail("the target was loaded for a capture that cannot be used"))
+    with pytest.raises(PipelineError, match=rf"^capture: {re.escape(str(generated / 'val.parquet'))}: the val split has no sequence "
+                                            r"to capture \(0 row\(s\)\); rerun generate with more prompts$"):
+        capture.run_capture(CaptureConfig(layer_ids=[1, 3]), target=info, generated_dir=generated, out_dir=tmp_path / "o", device="cpu")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
 
 
 def _flip_a_feature_byte(shard):

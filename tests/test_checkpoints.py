@@ -1,5 +1,6 @@
 """drafters/checkpoints.py: a step folder round-trips the drafter exactly, appears whole or not at
-all, and a damaged one is one line naming the file."""
+all, records the digests of its weights and resume state, and a damaged one (a flipped bit too) is
+one line naming the file."""
 
 import json
 import re
@@ -7,9 +8,20 @@ import re
 import pytest
 import torch
 
-from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint, remove_checkpoints, save_checkpoint, step_folder
+from conftest import flip_a_byte, strict_json_load
+from dflash_pipeline.drafters.checkpoints import (
+    list_checkpoints,
+    load_checkpoint,
+    load_resume_state,
+    remove_checkpoints,
+    save_checkpoint,
+    save_step,
+    state_path,
+    step_folder,
+)
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import sha256_file
 
 
 def tiny_drafter(seed=0) -> DFlashDrafter:
@@ -54,3 +66,42 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, damage, mess
     with pytest.raises(PipelineError, match=re.escape(message)) as caught:
         load_checkpoint(folder)
     assert "\n" not in str(caught.value)
+
+
+def test_a_flipped_bit_in_the_weights_is_refused_naming_the_file_and_an_old_checkpoint_loads_unchecked(tmp_path):
+    folder = save_checkpoint(tmp_path, step=3, drafter=tiny_drafter(), record={}, metrics={})
+    weights = folder / "model.safetensors"
+    assert json.loads((folder / "checkpoint.json").read_text())["weights_sha256"] == sha256_file(weights)
+    flip_a_byte(weights)  # inside a tensor: the header parses, the numbers are wrong
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(weights))}: damaged \(sha256 [0-9a-f]{{12}}\.\.\., checkpoint.json "
+                                            rf"records [0-9a-f]{{12}}\.\.\.\)$"):
+        load_checkpoint(folder)
+    # A checkpoint written before digests records none: nothing to check, and it loads as before.
+    info = json.loads((folder / "checkpoint.json").read_text())
+    del info["weights_sha256"]
+    (folder / "checkpoint.json").write_text(json.dumps(info))
+    load_checkpoint(folder)
+
+
+def test_checkpoint_and_state_json_are_strict_json(tmp_path):
+    # The interval of one val prompt is infinite: it is null in every file, never a bare Infinity.
+    curve = [{"step": 1, "loss": 2.0, "tau": 1.5, "tau_ci95": float("inf"), "slot1_acc": float("nan")}]
+    optimizer = torch.optim.AdamW(tiny_drafter().parameters())
+    folder = save_step(tmp_path, step=1, drafter=tiny_drafter(), optimizer=optimizer, curve=curve, record={"seed": 0},
+                       metrics={"tau_tf": 1.5, "tau_tf_ci95": float("inf")})
+    assert strict_json_load(folder / "checkpoint.json")["metrics"]["tau_tf_ci95"] is None
+    assert strict_json_load(tmp_path / "state.json")["curve"][0]["tau_ci95"] is None
+    info = json.loads((folder / "checkpoint.json").read_text())
+    assert info["resume_state_sha256"] == sha256_file(state_path(tmp_path, 1))
+
+
+def test_a_flipped_bit_in_the_newest_resume_state_passes_it_over_for_the_step_before(tmp_path):
+    drafter = tiny_drafter()
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    for step in (2, 4):
+        save_step(tmp_path, step=step, drafter=drafter, optimizer=optimizer, curve=[], record={"seed": 0}, metrics={})
+    assert load_resume_state(tmp_path, {"seed": 0}).step == 4
+    flip_a_byte(state_path(tmp_path, 4))
+    point = load_resume_state(tmp_path, {"seed": 0})
+    assert point.step == 2 and len(point.skipped) == 1
+    assert point.skipped[0].startswith(f"step_000004: {state_path(tmp_path, 4)}: damaged (sha256 "), point.skipped

@@ -15,7 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import REPO_ROOT, stage_env
+from conftest import REPO_ROOT, flip_a_byte, stage_env
 from dflash_pipeline.cli import main
 from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
 from dflash_pipeline.export import export_checkpoint
@@ -24,7 +24,7 @@ from dflash_pipeline.target.load import TargetInfo, prepare_target
 from dflash_pipeline.drafters.checkpoints import load_checkpoint
 
 CYCLE = [101, 202, 303, 404, 505]  # every answer repeats it, so a few training steps already draft some tokens right
-SUBCOMMANDS = ["evaluate", "verify-shards", "show", "export", "plots", "compare-runs", "generate"]
+SUBCOMMANDS = ["evaluate", "verify-shards", "verify", "show", "export", "plots", "compare-runs", "generate"]
 
 
 def write_cycle_generated(folder: Path, rows_per_split: dict[str, int], seed: int = 0) -> Path:
@@ -197,6 +197,61 @@ def test_verify_shards_with_a_target_refuses_shards_of_another_target(tiny, tmp_
                           "target_fingerprint", f"fingerprint of {foreign} (ffffffffffff): captured from another target")
 
 
+# ----------------------------------------------------------------------------- verify
+
+
+def copy_run(tiny, root: Path) -> Path:
+    """The tiny run laid out as the pipeline lays out its outputs (dvc.yaml's paths) under `root`."""
+    data = root / "data"
+    (data / "target").mkdir(parents=True)
+    shutil.copy(tiny.target_json, data / "target" / "target.json")
+    shutil.copytree(tiny.hidden, data / "hidden")
+    shutil.copytree(tiny.root / "checkpoints", data / "checkpoints")
+    shutil.copytree(tiny.export, data / "export" / "drafter")
+    return root
+
+
+def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_path):
+    run = copy_run(tiny, tmp_path / "run")
+    data = run / "data"
+    good = invoke("verify", run)
+    assert good.exit_code == 0 and good.stdout == f"verify: {run}: no damage found (target, shards, checkpoints, export, DVC cache) " \
+                                                  "and no leftover\n", good.output
+    shard, weights = data / "hidden" / "val" / "shard-00000.arrow", data / "checkpoints" / "step_000004" / "model.safetensors"
+    exported = data / "export" / "drafter" / "model.safetensors"
+    for path in (shard, weights, exported):
+        flip_a_byte(path)
+    shutil.copytree(data / "hidden", data / "hidden.partial")  # a killed capture's staging folder, its output complete
+    found = invoke("verify", run)
+    assert found.exit_code == 1 and found.stderr.strip().splitlines() == [
+        f"error: {run}: 4 problem(s) found; `dflash-pipeline verify --repair`, then `dvc pull` or `dvc repro` (README, Recovery)"]
+    lines = found.stdout.splitlines()
+    assert [line.split(": ")[1] for line in lines] == [str(shard), str(weights), str(exported), str(data / "hidden.partial")], lines
+    assert all("damaged (sha256 " in line for line in lines[:3]) and "staging folder of a killed capture" in lines[3]
+
+    repaired = invoke("verify", run, "--repair")
+    assert repaired.exit_code == 0, repaired.output
+    assert f"verify: removed {shard} (damaged)" in repaired.stdout and f"verify: removed {exported} (damaged)" in repaired.stdout
+    assert f"verify: removed {weights.parent} (damaged)" in repaired.stdout  # train resumes from the step before and writes it again
+    assert f"verify: removed leftover {data / 'hidden.partial'}" in repaired.stdout and "dvc repro" in repaired.stdout.splitlines()[-1]
+    assert not shard.exists() and not weights.parent.exists() and not (data / "checkpoints" / "state" / "step_000004.pt").exists()
+    assert not (data / "hidden.partial").exists() and (data / "hidden" / "train" / "shard-00000.arrow").is_file()
+    after = invoke("verify", run)  # until `dvc pull` or `dvc repro` brings them back
+    assert after.exit_code == 1 and after.stdout.splitlines() == [f"verify: {shard}: missing (manifest.json records its sha256)",
+                                                                  f"verify: {exported}: missing (dflash_pipeline.json records its sha256)"]
+
+
+def test_show_refuses_damaged_weights_in_one_line(tiny, tmp_path):
+    checkpoint = shutil.copytree(tiny.checkpoint, tmp_path / "step_000004")
+    export = shutil.copytree(tiny.export, tmp_path / "export")
+    assert "sha256 matches checkpoint.json" in contract(invoke("show", checkpoint))["weights"]
+    assert "sha256 of 3 file(s) match dflash_pipeline.json" in contract(invoke("show", export))["weights"]
+    flip_a_byte(checkpoint / "model.safetensors")
+    flip_a_byte(export / "model.safetensors")
+    assert_one_line_error(invoke("show", checkpoint), f"{checkpoint / 'model.safetensors'}: damaged (sha256 ", "checkpoint.json records")
+    assert_one_line_error(invoke("show", export), f"{export / 'model.safetensors'}: damaged (sha256 ", "dflash_pipeline.json records")
+
+
 # ----------------------------------------------------------------------------- show
 
 
@@ -276,7 +331,7 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     ours, baseline = rows["checkpoint"], rows["baseline"]
     assert comparable(ours) == comparable(baseline)
     assert baseline["vs_chosen"]["tau"] == 0 and baseline["vs_chosen"]["tau_ci95"] == 0  # paired over prompts: exactly no difference
-    assert "export vs step_000004: tau difference +0.0000 +- 0.0000" in result.stderr + result.stdout
+    assert "export vs step_000004: tau difference +0.0000 ± 0.0000" in result.stderr + result.stdout
     assert "not distinguishable at 95%" in result.stderr + result.stdout
     manifest = json.loads((tiny.val / "manifest.json").read_text())
     assert ours["teacher_forced"]["blocks"] == manifest["loss_tokens"] - manifest["sequences"]  # --anchors 0: every answer position but the last
@@ -359,14 +414,14 @@ def test_compare_runs_pairs_the_chosen_drafters_by_prompt(tmp_path):
     committed = _eval_folder(tmp_path / "committed", taus)
     same = invoke("compare-runs", committed, _eval_folder(tmp_path / "again", taus))
     assert same.exit_code == 0 and "on the same val blocks" in same.stdout
-    assert "difference +0.0000 +- 0.0000 (paired over 4 prompts): not distinguishable at 95%" in same.stdout
+    assert "difference +0.0000 ± 0.0000 (paired over 4 prompts): not distinguishable at 95%" in same.stdout
     # another machine: one prompt's answer (so its blocks) differs, another prompt is missing
     drifted = {"p1": [1, 2, 2, 3], "p2": [4, 4, 3, 1], "p3": [1, 1, 2]}
     other = invoke("compare-runs", committed, _eval_folder(tmp_path / "other", drifted))
     assert "different val blocks" in other.stdout and "paired over 3 prompts" in other.stdout
     assert "not distinguishable at 95%" in other.stdout
     better = invoke("compare-runs", _eval_folder(tmp_path / "better", {p: [t + 1 for t in v] for p, v in taus.items()}), committed)
-    assert "difference +1.0000 +- 0.0000" in better.stdout and "is better" in better.stdout
+    assert "difference +1.0000 ± 0.0000" in better.stdout and "is better" in better.stdout
     assert_one_line_error(invoke("compare-runs", committed, _eval_folder(tmp_path / "old", taus, with_prompt_ids=False)),
                           "old/blocks.parquet: has no prompt_id column")
     (tmp_path / "empty").mkdir()

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import flip_a_byte
 from dflash_pipeline.config import TargetConfig
+from dflash_pipeline.files import sha256_file
 from dflash_pipeline.data.prompts import read_prompts
 from dflash_pipeline.generate import render_prompt
 from dflash_pipeline.target.embedded import CONVERSION_VERSION, _reusable_conversion
@@ -47,6 +49,14 @@ def test_conversion_from_older_code_is_not_reused(tmp_path):
     assert not reusable(only_5x, current)              # the 4.x spellings edited away
     assert not reusable(both, current, tokenizer_5x)   # the tokenizer class 4.x knows edited away
     assert not reusable(both, {**current, "gguf_sha256": "other"})
+    # A file damaged since the conversion (a flipped bit in a hard-linked cache file) is converted
+    # again, not reused: the stamp records every file's sha256. A stamp from before records none.
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    digests = {"model.safetensors": sha256_file(folder / "model.safetensors")}
+    assert reusable(both, {**current, "files": digests})
+    flip_a_byte(folder / "model.safetensors")
+    assert not reusable(both, {**current, "files": digests})
+    assert reusable(both, current)
 
 
 def check_tokenizer_folder_as_gguf(folder: Path, gguf_tokenizer, prompts_file: Path) -> None:

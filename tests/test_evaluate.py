@@ -204,10 +204,13 @@ def test_paired_difference_cancels_the_spread_between_prompts():
     own_half = summarize_blocks(ours).tau.ci95
     assert own_half > 1.5 and half < 0.25  # each drafter's own interval would never separate them
     assert comparison_verdict("ours", "theirs", mean, half, prompts) == (
-        "ours vs theirs: tau difference +0.3750 +- 0.2450 (paired over 4 prompts): ours is better")
+        "ours vs theirs: tau difference +0.3750 ± 0.2450 (paired over 4 prompts): ours is better")
     assert paired_difference(theirs, ours)[0] == pytest.approx(-0.375)
     assert comparison_verdict("a", "b", 0.1, 0.2, 4).endswith("not distinguishable at 95%")
     assert comparison_verdict("a", "b", -0.3, 0.2, 4).endswith("a is worse")
+    # One shared prompt has no interval: the console says so in the one spelling, never "inf" or "None".
+    assert comparison_verdict("a", "b", 0.5, float("inf"), 1) == "a vs b: tau difference +0.5000 ± n/a (paired over 1 prompts): " \
+                                                                   "not distinguishable at 95%"
 
 
 def test_per_slot_acceptance_conditional_and_unconditional():
@@ -342,8 +345,8 @@ def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
     folders = [tmp_path / f"step_{s:06d}" for s in (100, 200, 300)]
     assert select_checkpoints(folders, "final") == folders[-1:]
     assert select_checkpoints(folders, [100, 300]) == [folders[0], folders[2]]
-    with pytest.raises(PipelineError, match="evaluate.checkpoints asks for step 250"):
-        select_checkpoints(folders, [250])
+    with pytest.raises(PipelineError, match=r"^my-params.yaml: key 'evaluate.checkpoints' asks for step 250, .*, got \[250\]$"):
+        select_checkpoints(folders, [250], source="my-params.yaml")
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from conftest import flip_a_byte
 from dflash_pipeline.drafters import family
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.export import export_checkpoint
@@ -148,6 +149,22 @@ def test_export_checkpoint_records_where_it_came_from(tmp_path):
     assert torch.equal(loaded.fc.weight, drafter.fc.weight)
 
 
+def test_a_flipped_bit_is_refused_in_the_checkpoint_it_exports_and_in_the_export(tmp_path):
+    # It used to export damaged weights (and evaluate scored them, dvc.lock recorded them) without a word.
+    from dflash_pipeline.drafters.checkpoints import save_checkpoint
+
+    step_dir = save_checkpoint(tmp_path / "checkpoints", step=12, drafter=random_drafter(tiny_config()), record={}, metrics={})
+    out = export_checkpoint(step_dir, tmp_path / "drafter")
+    provenance = json.loads((out / PROVENANCE_FILE).read_text())
+    assert sorted(provenance["files"]) == ["config.json", "model.safetensors"]
+    for damaged, recorded_in in ((out / "model.safetensors", PROVENANCE_FILE), (step_dir / "model.safetensors", "checkpoint.json")):
+        flip_a_byte(damaged)
+        with pytest.raises(PipelineError) as excinfo:
+            load_dflash_drafter(out) if recorded_in == PROVENANCE_FILE else export_checkpoint(step_dir, tmp_path / "again")
+        assert_one_line_error(excinfo, f"{damaged}: damaged (sha256 ", f"{recorded_in} records ")
+    assert not (tmp_path / "again").exists()
+
+
 def test_export_refuses_a_window_the_format_cannot_express(tmp_path):
     with pytest.raises(PipelineError) as excinfo:
         export_drafter(random_drafter(tiny_config(sliding_window=8)), tmp_path / "drafter")
@@ -213,6 +230,7 @@ def test_sharded_weights_load(tmp_path):
     out = export_drafter(drafter, tmp_path / "drafter")
     tensors = load_file(out / "model.safetensors")
     (out / "model.safetensors").unlink()
+    (out / PROVENANCE_FILE).unlink()  # resharded as large published drafters ship, without our provenance
     names = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2:]}
     for file, part in shards.items():
@@ -377,8 +395,14 @@ def test_a_draft_vocabulary_travels_beside_the_public_files(tmp_path):
     features = torch.randn(9, drafter.config.feature_width)
     logits = draft_logits(loaded.eval(), head, features, 5)
     assert logits.shape[-1] == 4 and torch.equal(logits, draft_logits(drafter, head, features, 5))
-    # Without the file (a server that ignores it) the same weights draft over the whole vocabulary.
+    # Without the file (a server that ignores it) the same weights draft over the whole vocabulary;
+    # our loader takes such a folder only when its provenance does not record the file (else it is damage).
     (out / "draft_vocab.safetensors").unlink()
+    with pytest.raises(PipelineError, match=r"draft_vocab.safetensors: missing \(dflash_pipeline.json records its sha256\)"):
+        load_dflash_drafter(out)
+    provenance = json.loads((out / PROVENANCE_FILE).read_text())
+    del provenance["files"]["draft_vocab.safetensors"]
+    (out / PROVENANCE_FILE).write_text(json.dumps(provenance))
     assert load_dflash_drafter(out)[0].draft_vocab.numel() == 0
     from safetensors.torch import save_file
 

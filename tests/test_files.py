@@ -5,10 +5,13 @@ import json
 
 import pytest
 
+from conftest import flip_a_byte, strict_json_load
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import (
     atomic_path,
+    digest_problem,
     format_bytes,
+    json_text,
     read_json,
     reuse_or_reset,
     sha256_file,
@@ -74,3 +77,25 @@ def test_read_json_failures_are_one_line_naming_the_file(tmp_path):
                                          (5 * 1024**5, "5120.0 TB")])
 def test_format_bytes_in_powers_of_1024(count, text):
     assert format_bytes(count) == text
+
+
+def test_every_json_file_is_strict_json_with_null_for_undefined_numbers(tmp_path):
+    # The one writer: an interval over one prompt (inf) or a slot no block reached (nan) is null,
+    # never a bare Infinity/NaN that jq, JavaScript and strict JSON readers refuse.
+    data = {"tau_ci95": float("inf"), "slots": [0.5, float("nan")], "low": float("-inf"), "nested": {"x": (1, 2.5)}}
+    write_json_atomic(tmp_path / "m.json", data)
+    assert strict_json_load(tmp_path / "m.json") == {"tau_ci95": None, "slots": [0.5, None], "low": None, "nested": {"x": [1, 2.5]}}
+    assert json_text({"b": 1, "a": float("nan")}, sort_keys=False) == '{\n  "b": 1,\n  "a": null\n}\n'
+
+
+def test_a_digest_names_the_damaged_or_missing_file_and_nothing_recorded_checks_nothing(tmp_path):
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(bytes(range(256)) * 64)
+    digest = sha256_file(blob)
+    assert digest_problem(blob, digest, recorded_in=tmp_path / "checkpoint.json") is None
+    assert digest_problem(blob, None, recorded_in="checkpoint.json") is None  # a file from before digests
+    flip_a_byte(blob)
+    problem = digest_problem(blob, digest, recorded_in=tmp_path / "checkpoint.json")
+    assert problem.startswith(f"{blob}: damaged (sha256 ") and problem.endswith(f"checkpoint.json records {digest[:12]}...)")
+    blob.unlink()
+    assert digest_problem(blob, digest, recorded_in="checkpoint.json") == f"{blob}: missing (checkpoint.json records its sha256)"

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import REPO_ROOT, SAMPLE_PROMPTS, folder_bytes, run, start_then_kill_9, write_jsonl
 from dflash_pipeline.config import GenerateConfig
+from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.generate import greedy_generate, render_prompt, run_generate
 from dflash_pipeline.data.prompts import GENERATED_SCHEMA, read_generated
 from dflash_pipeline.data.prompts import read_prompts
@@ -93,7 +94,7 @@ def test_run_generate_writes_splits_with_exact_token_ids(tiny_target, sample_pro
 def test_system_prompt_and_thinking_flag_are_applied_and_recorded(tiny_target, sample_prompts, tmp_path):
     info, _, tokenizer, _ = tiny_target
     config = _config(system_prompt="You answer tersely.", enable_thinking=True)
-    prompt_set = read_prompts(sample_prompts, val_fraction=0.25, limit=2)
+    prompt_set = read_prompts(sample_prompts, val_fraction=0.25, limit=5)  # the fifth is pinned to val: every split needs one
     summary = run_generate(prompt_set, config=config, target=info, out_dir=tmp_path)
     row = pq.read_table(tmp_path / "train.parquet").to_pylist()[0]
     assert "You answer tersely." in tokenizer.decode(row["prompt_ids"])
@@ -178,3 +179,18 @@ def test_stage_reports_a_bad_prompt_row_as_one_line(tiny_target, tmp_path):
     result = run(_generate_cmd(tmp_path, prompts, target_json, tmp_path / "out"), cwd=tmp_path, check=False)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {prompts}:2: malformed JSON")
+
+
+def test_a_prompt_file_that_leaves_a_split_empty_is_refused_before_any_answer(tiny_target, tmp_path):
+    # One prompt gives 0 val prompts; it used to pass here and in capture, and train stopped at its
+    # first periodic tau with an error labelled `evaluate:`.
+    info, _, _, _ = tiny_target
+    one = write_jsonl(tmp_path / "one.jsonl", [SAMPLE_PROMPTS[0]])
+    with pytest.raises(PipelineError) as error:
+        run_generate(read_prompts(one, val_fraction=0.1), config=_config(), target=info, out_dir=tmp_path / "out")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"generate: {one}: 1 prompt(s) give 0 val prompts (generate.val_fraction 0.25"), message
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # refused before any work
+    only_val = write_jsonl(tmp_path / "val.jsonl", [{**SAMPLE_PROMPTS[0], "split": "val"}])
+    with pytest.raises(PipelineError, match=r"give 0 train prompts"):
+        run_generate(read_prompts(only_val, val_fraction=0.1), config=_config(), target=info, out_dir=tmp_path / "out")

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from conftest import flip_a_byte
 from dflash_pipeline.config import TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.target.load import LayerTap, TargetInfo, build_target_layer_ids, fingerprint_target, load_target, prepare_target
@@ -20,6 +21,25 @@ def test_local_folder_is_referenced_not_copied(tiny_llama_dir, tmp_path):
     assert (info["architecture"], info["num_layers"], info["hidden_size"], info["vocab_size"]) == ("LlamaForCausalLM", 4, 64, 49152)
     loaded = TargetInfo.from_json(tmp_path / "target" / "target.json")
     assert loaded.path == tiny_llama_dir.resolve() and loaded.eos_token_ids == (2,)
+
+
+def test_a_model_the_stage_wrote_carries_its_digests_and_a_damaged_file_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+    # The embedded conversion lies inside the stage's output (data/target/model) and is cached by
+    # DVC: target.json records every file's sha256, and opening the target checks them. A user's
+    # own folder is only referenced: nothing recorded, nothing hashed in full.
+    out = tmp_path / "target"
+    shutil.copytree(tiny_llama_dir, out / "converted")
+    info = prepare_target(TargetConfig(model=str(out / "converted")), out_dir=out)
+    assert info["path"] == "converted" and "converted/model.safetensors" in info["files"] and "target.json" not in info["files"]
+    TargetInfo.from_json(out / "target.json")
+    weights = out / "converted" / "model.safetensors"
+    flip_a_byte(weights)
+    with pytest.raises(PipelineError) as error:
+        TargetInfo.from_json(out / "target.json")
+    assert str(error.value).startswith(f"{weights}: damaged (sha256 ") and str(error.value).endswith("target.json records "
+                                                                                                    f"{info['files']['converted/model.safetensors'][:12]}...)")
+    referenced = prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=tmp_path / "user")
+    assert "files" not in referenced
 
 
 def test_fingerprint_is_stable_and_tracks_config_weights_tokenizer_and_template(tiny_llama_dir, tmp_path):

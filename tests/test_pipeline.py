@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run, set_params, start_then_kill_9
+from conftest import SAMPLE_PROMPTS, run, set_params, start_then_kill_9, strict_json_load, write_jsonl
 from dflash_pipeline.data.shards import open_split
 
 pytestmark = [pytest.mark.slow, pytest.mark.dvc]  # test lanes (pyproject.toml)
@@ -143,3 +143,25 @@ def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(tiny_p
     drawn = run(["dflash-pipeline", "plots", "HEAD", "--out", str(repo / "plots-diff")], repo).stdout
     for name in ("train_loss", "train_tau", "eval_tau_by_step", "eval_slots"):
         assert f"data_plots_{name}.png" in drawn and (repo / "plots-diff" / f"data_plots_{name}.png").stat().st_size > 1000
+
+
+def test_a_two_prompt_file_gives_strict_json_everywhere_and_one_spelling_of_no_interval(tiny_pipeline):
+    # One val prompt has no interval over prompts: tau_ci95 is infinite. It used to reach best.json,
+    # every checkpoint.json and state.json as a bare Infinity, and the console as `+- inf` in one
+    # place and `+- None` in another.
+    repo = tiny_pipeline
+    write_jsonl(repo / "data" / "prompts" / "two.jsonl", [SAMPLE_PROMPTS[0], {**SAMPLE_PROMPTS[1], "split": "val"}])
+    set_params(repo, generate={"prompts": "data/prompts/two.jsonl"})
+    result = dvc(repo, "repro")
+    written = sorted((repo / "data").rglob("*.json"))
+    assert {"best.json", "checkpoint.json", "state.json", "eval.json", "train.json", "details.json"} <= {p.name for p in written}
+    for path in written:
+        strict_json_load(path)
+    assert strict_json_load(repo / "data" / "eval" / "best.json")["tau_ci95"] is None
+    assert strict_json_load(repo / "data" / "checkpoints" / "step_000004" / "checkpoint.json")["metrics"]["tau_tf_ci95"] is None
+    printed = result.stdout + result.stderr
+    for stage in ("train: step 4", "evaluate: chosen step_", "export: step_"):
+        line = next(line for line in printed.splitlines() if line.startswith(stage))
+        assert "± n/a" in line, line
+    for wrong in ("+- inf", "+- None", "± inf", "± None", "+-"):
+        assert wrong not in printed, wrong

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash_pipeline.stats import mean_ci95, mean_ci95_over_prompts, paired_difference, per_prompt_means
+from dflash_pipeline.stats import format_interval, mean_ci95, mean_ci95_over_prompts, paired_difference, per_prompt_means
 
 
 def test_mean_ci95_by_hand():
@@ -35,3 +35,12 @@ def test_a_paired_difference_cancels_the_spread_between_prompts_and_skips_unshar
     assert unpaired > 1.0  # each side alone is wide; the difference is exact
     extra = paired_difference(np.append(better, 99.0), np.append(prompt, "p4"), reference, prompt)
     assert extra[0] == pytest.approx(0.5) and extra[2] == 3  # p4 was scored by one side only
+
+
+def test_an_interval_prints_one_way_and_an_undefined_one_as_n_a():
+    assert format_interval(1.23456, 0.0831) == "1.235 ± 0.083"
+    assert format_interval(0.375, 0.245, digits=4, signed=True) == "+0.3750 ± 0.2450"
+    _, one_prompt = mean_ci95([1.5])
+    for undefined in (one_prompt, None, float("nan")):  # in memory inf, in JSON null, never "+- inf" or "+- None"
+        assert format_interval(1.5, undefined) == "1.500 ± n/a"
+    assert format_interval(None, None) == "n/a ± n/a"

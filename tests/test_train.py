@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO_ROOT, run, start_then_kill_9
+from conftest import REPO_ROOT, flip_a_byte, run, start_then_kill_9
 from dflash_pipeline.data.blocks import build_batch, valid_anchors
 from dflash_pipeline.train.loss import decay_weights, training_targets
 from dflash_pipeline.capture import run_capture
@@ -288,6 +288,76 @@ def test_a_damaged_or_missing_last_checkpoint_resumes_from_the_one_before(tiny_r
     assert len(said) == 1 and said[0].startswith("train: starting fresh: no checkpoint of this run configuration can be continued "
                                                  "(step_000004: "), said
     assert "different run configuration" not in said[0]
+
+
+def test_a_bit_flip_in_the_newest_weights_is_passed_over_like_a_cut_file(tiny_run, tmp_path):
+    # One flipped byte inside a tensor (the header intact) used to resume from those weights, and a
+    # rerun of the finished run reported the saved loss and tau, which no longer described them.
+    config = replace(TINY_TRAIN, save_every=2)
+    reference = _train(tiny_run, tmp_path / "reference", config)
+    expected = _weights(tmp_path / "reference" / "step_000006")
+    out = tmp_path / "ck"
+    _train(tiny_run, out, config)
+    weights = out / "step_000006" / "model.safetensors"
+    flip_a_byte(weights)
+    messages = []
+    resumed = _train(tiny_run, out, config, log=messages.append)
+    said = [m for m in messages if "resum" in m or "fresh" in m]
+    assert len(said) == 1 and said[0].startswith(f"train: resuming at step 4 from {out / 'step_000004'}; passed over and removed newer "
+                                                f"step_000006: {weights}: damaged (sha256 "), said
+    assert resumed["resumed_from"] == 4 and _untimed(resumed["curve"]) == _untimed(reference["curve"])
+    final = _weights(out / "step_000006")
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+
+def test_a_longer_schedule_starts_over_and_says_which_key_changed(tiny_run, tmp_path):
+    # README: train.max_steps is part of the run's record, since the learning-rate schedule runs to
+    # it; a run resumed at step 4 of 4 toward 6 would be another model than a fresh 6-step one.
+    out = tmp_path / "ck"
+    short = replace(TINY_TRAIN, max_steps=4, save_every=2, eval_every=2)
+    _train(tiny_run, out, short)
+    messages = []
+    longer = _train(tiny_run, out, replace(short, max_steps=6), log=messages.append)
+    said = [m for m in messages if "fresh" in m]
+    assert said == ["train: starting fresh; removing 2 checkpoint(s) of a different run configuration "
+                    "(train_config.max_steps 4 -> 6)"], messages
+    assert longer["resumed_from"] == 0
+    fresh = _train(tiny_run, tmp_path / "fresh", replace(short, max_steps=6))
+    assert _untimed(longer["curve"]) == _untimed(fresh["curve"])
+    # compile is the one train key a run resumes across (how fast a step runs, not what it computes).
+    from dflash_pipeline.drafters.build import RUNTIME_ONLY_KEYS
+
+    assert RUNTIME_ONLY_KEYS == ("compile",)
+
+
+def test_an_empty_val_split_stops_before_the_first_step_naming_train(tiny_run, tmp_path):
+    # It used to train until the first periodic tau, then stop with an error labelled `evaluate:`.
+    target, root = tiny_run
+    hidden = tmp_path / "hidden"
+    shutil.copytree(root / "hidden" / "train", hidden / "train")
+    (hidden / "val").mkdir()
+    manifest = json.loads((root / "hidden" / "val" / "manifest.json").read_text())
+    (hidden / "val" / "manifest.json").write_text(json.dumps({**manifest, "shards": [], "sequences": 0, "tokens": 0, "loss_tokens": 0}))
+    with pytest.raises(PipelineError, match=rf"^train: {re.escape(str(hidden / 'val' / 'manifest.json'))}: the val split holds no "
+                                            r"sequence; rerun generate with more prompts"):
+        run_train(TINY_TRAIN, target=target, train_dir=hidden / "train", val_dir=hidden / "val", out_dir=tmp_path / "ck", device="cpu")
+    assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").iterdir())
+
+
+@pytest.mark.subprocess
+def test_a_selector_top_k_over_the_vocabulary_is_one_line_naming_the_params_file_and_key(tiny_run, tmp_path):
+    # It ended in a traceback from DrafterConfig.__post_init__; and a params file of another name
+    # was reported as params.yaml.
+    command = _stage_cmd(tmp_path, tiny_run, tmp_path / "ck", architecture="dflash2", options={"dflash2": {"selector_top_k": 100000}})
+    params = Path(command[command.index("--params") + 1])
+    other = params.rename(tmp_path / "experiment-params.yaml")
+    command[command.index("--params") + 1] = str(other)
+    result = run(command, cwd=tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {other}: key 'train.options.dflash2.selector_top_k' must be in "
+                                                   "1..vocab_size (49152) for the target "), lines
+    assert lines[0].endswith(", got 100000") and "selector_rank" not in lines[0]
 
 
 def test_a_run_folder_from_before_per_checkpoint_states_still_resumes(tiny_run, tmp_path):

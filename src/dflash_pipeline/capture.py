@@ -22,6 +22,9 @@ are done: a killed run's shards wait there for the rerun, so the DVC output need
 output out of its cache (`dvc unprotect`, a full copy of the shards when they are hard links),
 while a plain output is deleted, which only unlinks (bench/dvc_costs.py). A run outside DVC
 that finds a finished `<out>` and no `.partial` starts from it, so its shards are reused as before.
+When DVC serves `<out>` from its run cache instead of running the stage (a rerun after a kill, with
+settings it has seen), a killed run's `.partial` stays behind: `make repro` removes it
+(`dflash-pipeline verify --repair`, README "Recovery").
 
 A shard already there is kept only when its sha256 equals a record made when it was written:
 its `.sha256` file (a run not finished yet) or the previous manifest (a finished one; both are
@@ -40,7 +43,7 @@ from typing import NamedTuple
 
 from dflash_pipeline.config import CaptureConfig, as_dict
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import format_bytes, reuse_or_reset, sha256_file
+from dflash_pipeline.files import format_bytes, reuse_or_reset, sha256_file, staging_dir
 from dflash_pipeline.data.prompts import read_generated
 from dflash_pipeline.data.shards import (
     SHA256_SUFFIX,
@@ -57,18 +60,20 @@ from dflash_pipeline.target.load import LayerTap, TargetInfo, build_target_layer
 SPLITS = ("train", "val")
 
 
-def resolve_layer_ids(config: CaptureConfig, num_target_layers: int) -> list[int]:
+def resolve_layer_ids(config: CaptureConfig, num_target_layers: int, *, source: str = "params.yaml") -> list[int]:
+    """The target layers to tap; a choice this target cannot serve is one line naming `source` (the params file) and the key."""
     layer_ids = list(config.layer_ids) if config.layer_ids is not None else build_target_layer_ids(num_target_layers, config.num_layers)
     for layer_id in layer_ids:
         if not 0 <= layer_id < num_target_layers:
-            raise PipelineError(f"params.yaml: capture.layer_ids has {layer_id}, outside 0..{num_target_layers - 1} for this target")
+            raise PipelineError(f"{source}: key 'capture.layer_ids' must hold layers in 0..{num_target_layers - 1} for this target, "
+                                f"got {layer_id}")
     if len(set(layer_ids)) != len(layer_ids):
         if config.layer_ids is None:
             raise PipelineError(
-                f"params.yaml: capture.num_layers={config.num_layers} repeats layers {layer_ids} on a "
-                f"{num_target_layers}-layer target; set capture.layer_ids explicitly"
+                f"{source}: key 'capture.num_layers' repeats layers {layer_ids} on a {num_target_layers}-layer target "
+                f"(set capture.layer_ids explicitly), got {config.num_layers}"
             )
-        raise PipelineError(f"params.yaml: capture.layer_ids {layer_ids} repeats a layer")
+        raise PipelineError(f"{source}: key 'capture.layer_ids' repeats a layer, got {layer_ids}")
     return layer_ids
 
 
@@ -524,11 +529,6 @@ def capture_split(
                       "tokens_written": sum(plan.shard_tokens[n] for n in missing)}
 
 
-def staging_dir(out_dir: Path) -> Path:
-    """Where a capture into `out_dir` works until both splits are done (module docstring)."""
-    return out_dir.with_name(out_dir.name + ".partial")
-
-
 def _adopt_finished_output(out_dir: Path, work_dir: Path) -> None:
     """Rank 0, before any rank writes: with no interrupted run to resume, a finished output (a run
     outside DVC; DVC deletes its own before the stage) becomes the starting point, moved, not copied.
@@ -544,10 +544,22 @@ def _publish(work_dir: Path, out_dir: Path) -> None:
     os.replace(work_dir, out_dir)
 
 
-def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str) -> dict:
+def check_split_sizes(sequences: dict[str, list[Sequence]], stats: dict[str, Counter], generated_dir: Path) -> None:
+    """Refuse, before any forward, a split left without a sequence: train has nothing to learn from,
+    and the val split is what train and evaluate score (a one-prompt file gives 0 val prompts)."""
+    for split in SPLITS:
+        if not sequences[split]:
+            counts = ", ".join(f"{key} {value}" for key, value in sorted(stats[split].items()) if key != "rows")
+            raise PipelineError(f"capture: {generated_dir / (split + '.parquet')}: the {split} split has no sequence to capture "
+                                f"({stats[split]['rows']} row(s){'; ' + counts if counts else ''}); rerun generate with more prompts")
+
+
+def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str,
+                source: str = "params.yaml") -> dict:
     """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0):
     what the shards hold under "splits", and this run's work and timings under "this_run".
-    The work happens in `staging_dir(out_dir)`, renamed to `out_dir` at the end."""
+    The work happens in `staging_dir(out_dir)`, renamed to `out_dir` at the end. `source`: the
+    params file `config` came from, named in configuration errors."""
     import torch
     import torch.distributed as dist
 
@@ -564,7 +576,11 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
         dist.init_process_group(backend=backend)
         barrier = dist.barrier
     try:
-        layer_ids = resolve_layer_ids(config, target.num_layers)
+        layer_ids = resolve_layer_ids(config, target.num_layers, source=source)
+        loaded = {split: load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
+                  for split in SPLITS}
+        check_split_sizes({split: pair[0] for split, pair in loaded.items()}, {split: pair[1] for split, pair in loaded.items()},
+                          Path(generated_dir))
         model, tokenizer = load_target(target, device=device)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         tap = LayerTap(model, layer_ids)
@@ -574,7 +590,7 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
             _adopt_finished_output(out_dir, work_dir)
         summary = {"layer_ids": layer_ids, "splits": {}, "this_run": {}}
         for split in SPLITS:
-            sequences, stats = load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
+            sequences, stats = loaded[split]
             started = time.perf_counter()
             manifest, written = capture_split(
                 sequences, stats, split=split, model=model, tap=tap, target=target, config=config,

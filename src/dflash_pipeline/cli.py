@@ -3,6 +3,7 @@
     dflash-pipeline evaluate data/checkpoints/step_000900 path/to/zlab-drafter \\
         --target data/target/target.json --shards data/hidden/val --prompts data/generated/val.parquet
     dflash-pipeline verify-shards data/hidden/val --target data/target/target.json
+    dflash-pipeline verify --repair
     dflash-pipeline show data/checkpoints/step_000900
     dflash-pipeline export data/checkpoints/step_000900 out/drafter --dtype bfloat16
     dflash-pipeline compare-runs data/eval other-clone/data/eval
@@ -279,6 +280,56 @@ def verify_shards(folder, target_path):
                    f"x {manifest.hidden_size} in {manifest.feature_dtype}; target {manifest.target_fingerprint[:12]}{checked}")
 
 
+@main.command(short_help="Check a whole run for damage; --repair removes it.")
+@click.argument("root", metavar="DIR", type=EXISTING_DIR, default=".")
+@click.option("--target", "target_json", type=click.Path(path_type=Path), default=None,
+              help="The target stage's target.json (default: DIR/data/target/target.json).")
+@click.option("--hidden", "hidden_dir", type=click.Path(path_type=Path), default=None,
+              help="The capture output (default: DIR/data/hidden).")
+@click.option("--checkpoints", "checkpoints_dir", type=click.Path(path_type=Path), default=None,
+              help="The train output (default: DIR/data/checkpoints).")
+@click.option("--export", "export_dir", type=click.Path(path_type=Path), default=None,
+              help="The export output (default: DIR/data/export/drafter).")
+@click.option("--repair", is_flag=True,
+              help="Remove damaged files with their DVC cache objects (and restore cache objects from good copies), "
+                   "and leftover staging folders; then `dvc pull` or `dvc repro` brings good copies back.")
+@one_line_errors
+def verify(root, target_json, hidden_dir, checkpoints_dir, export_dir, repair):
+    """Check a whole run against the digests its files carry: the converted target (target.json),
+    the shards (each split's manifest), every checkpoint's weights and resume state
+    (checkpoint.json), the export (dflash_pipeline.json), leftover staging folders, and every DVC
+    cache object dvc.lock's outputs name (each must hash to its name: with hard links a flipped bit
+    in an output is in its cache object too, which DVC trusts without rehashing).
+
+    DIR is the pipeline's repository (default: here). Prints one line per problem and exits 1
+    when there are any. --repair removes each damaged file with the cache objects that are the same
+    file (for a checkpoint, also every newer step: train writes them again), restores a damaged
+    cache object from a good copy in the workspace or removes it, and removes leftovers; then
+    `dvc pull` (from a remote) or `dvc repro` brings good copies back. `make repro` runs it.
+
+    \b
+    Example:
+      dflash-pipeline verify
+      dflash-pipeline verify --repair && dvc repro
+    """
+    from dflash_pipeline.integrity import RunPaths, check_run, repair as repair_run
+
+    paths = RunPaths.at(root, target=target_json, hidden=hidden_dir, checkpoints=checkpoints_dir, export=export_dir)
+    findings = check_run(paths)
+    for finding in findings:
+        click.echo(f"verify: {finding.problem}")
+    if not findings:
+        click.echo(f"verify: {root}: no damage found (target, shards, checkpoints, export, DVC cache) and no leftover")
+        return
+    if not repair:
+        raise PipelineError(f"{root}: {len(findings)} problem(s) found; `dflash-pipeline verify --repair`, then `dvc pull` or "
+                            "`dvc repro` (README, Recovery)")
+    for line in repair_run(paths, findings):
+        click.echo(f"verify: {line}")
+    if any(finding.kind != "leftover" for finding in findings):
+        click.echo("verify: repaired; now `dvc pull` (a pushed run) or `dvc repro` (recomputed) brings good copies back")
+
+
 # ----------------------------------------------------------------------------- show
 
 
@@ -317,28 +368,36 @@ def weights_line(files: list[Path]) -> str:
 
 
 def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.drafters.checkpoints import weights_problem
     from dflash_pipeline.drafters.core import DrafterConfig
+    from dflash_pipeline.files import read_json
 
     info = read_json(folder / "checkpoint.json", missing="unreadable")
     if "drafter" not in info:
         raise PipelineError(f"{folder / 'checkpoint.json'}: no drafter config (not a training checkpoint)")
+    problem = weights_problem(folder, info)  # the weights a later `evaluate` or `export` would read
+    if problem:
+        raise PipelineError(problem)
     metrics = info.get("metrics") or {}
     lines = [("kind", "training checkpoint"), ("step", info.get("step")), ("target fingerprint", info.get("target_fingerprint"))]
     lines += drafter_lines(DrafterConfig.from_dict(info["drafter"]))
-    lines += [("weights", weights_line([folder / "model.safetensors"])),
+    checked = "; sha256 matches checkpoint.json" if info.get("weights_sha256") else ""
+    lines += [("weights", weights_line([folder / "model.safetensors"]) + checked),
               ("metrics", ", ".join(f"{k} {v}" for k, v in sorted(metrics.items())) or None),
               ("git revision", info.get("git_revision"))]
     return lines
 
 
 def drafter_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving
+    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving, provenance_problems
     from dflash_pipeline.files import read_json
 
     config_path = folder / "config.json"
     config = drafter_config_from_serving(read_json(config_path, missing="unreadable"), where=config_path)
     provenance = read_json(folder / PROVENANCE_FILE, missing="unreadable") if (folder / PROVENANCE_FILE).is_file() else None
+    problems = provenance_problems(folder, provenance) if provenance is not None else []
+    if problems:
+        raise PipelineError(problems[0])
     source = (provenance or {}).get("source") or {}
     if provenance is not None:
         config = replace(config, extra=(provenance.get("drafter") or {}).get("extra") or {})
@@ -347,7 +406,9 @@ def drafter_contract(folder: Path) -> list[tuple[str, object]]:
     if source.get("checkpoint"):
         lines.append(("exported from", f"{source['checkpoint']} (step {source.get('step')})"))
     lines += drafter_lines(config)
-    lines.append(("weights", weights_line(sorted(folder.glob("*.safetensors")))))
+    recorded = (provenance or {}).get("files") or {}
+    checked = f"; sha256 of {len(recorded)} file(s) match {PROVENANCE_FILE}" if recorded else ""
+    lines.append(("weights", weights_line(sorted(folder.glob("*.safetensors"))) + checked))
     return lines
 
 
@@ -380,7 +441,9 @@ def show(folder):
     The kind is detected from the folder's files: checkpoint.json (a training checkpoint),
     config.json (the serving format, ours or published), manifest.json (a capture split; a capture
     output shows each of its splits). Printed: target fingerprint, target layer ids, hidden size,
-    block size, mask token, dtype and counts. Reads metadata only, never the weights themselves.
+    block size, mask token, dtype and counts. The weights are not loaded; where the folder records
+    their sha256 (checkpoints and exports of this pipeline) it is checked, and a damaged file is
+    one error line naming it.
 
     \b
     Examples:

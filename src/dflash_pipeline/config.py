@@ -3,6 +3,9 @@
 `load_params(path)` reads params.yaml and returns a `Params` object. Every key is checked: an
 unknown key, a missing key or a value of the wrong type fails at load with the key's dotted name
 (`generate.max_new_tokens`), so a typo in `dvc exp run -S` never silently falls back to a default.
+A section's `checks()` lists every value rule it has (tests walk them); every error is one line
+`<params file>: key '<section.key>' <why>, got <value>`, naming the file that was read (the stage
+commands take `--params`, and a file of another name is named as such).
 The library itself never reads params.yaml; stage scripts call `load_params` and pass sections on.
 """
 
@@ -49,8 +52,8 @@ class GenerateConfig:
     # Prompts per forward batch (left padded, similar lengths together).
     batch_size: int = 64
 
-    def validate(self, source: str) -> None:
-        checks = [
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
             ("max_prompts", self.max_prompts >= 0, "must be >= 0"),
             ("val_fraction", 0.0 <= self.val_fraction < 1.0, "must be in [0, 1)"),
             ("on_bad_row", self.on_bad_row in ("error", "skip"), "must be 'error' or 'skip'"),
@@ -58,7 +61,9 @@ class GenerateConfig:
             ("max_prompt_tokens", self.max_prompt_tokens >= 1, "must be >= 1"),
             ("batch_size", self.batch_size >= 1, "must be >= 1"),
         ]
-        _check(checks, self, "generate", source)
+
+    def validate(self, source: str) -> None:
+        _check(self.checks(), self, "generate", source)
 
 
 @dataclass(frozen=True)
@@ -82,8 +87,8 @@ class CaptureConfig:
     # Target size of one shard file, in MiB.
     shard_mb: int = 256
 
-    def validate(self, source: str) -> None:
-        checks = [
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
             ("num_layers", self.num_layers >= 1, "must be >= 1"),
             ("target_top_k", 0 <= self.target_top_k <= 4096, "must be in 0..4096"),
             ("layer_ids", self.layer_ids is None or (len(self.layer_ids) > 0 and all(i >= 0 for i in self.layer_ids)),
@@ -94,7 +99,9 @@ class CaptureConfig:
             ("batch_tokens", self.batch_tokens >= 1, "must be >= 1"),
             ("shard_mb", self.shard_mb >= 1, "must be >= 1"),
         ]
-        _check(checks, self, "capture", source)
+
+    def validate(self, source: str) -> None:
+        _check(self.checks(), self, "capture", source)
 
 
 @dataclass(frozen=True)
@@ -154,8 +161,8 @@ class TrainConfig:
     # Continue from the last checkpoint of the same configuration; false starts fresh.
     resume: bool = True
 
-    def validate(self, source: str) -> None:
-        checks = [
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
             ("num_layers", self.num_layers >= 1, "must be >= 1"),
             ("block_size", self.block_size >= 2, "must be >= 2"),
             ("gamma", self.gamma is None or self.gamma > 0, "must be null or > 0"),
@@ -177,7 +184,9 @@ class TrainConfig:
             ("eval_blocks", self.eval_blocks >= 1, "must be >= 1"),
             ("save_every", self.save_every >= 1, "must be >= 1"),
         ]
-        _check(checks, self, "train", source)
+
+    def validate(self, source: str) -> None:
+        _check(self.checks(), self, "train", source)
 
 
 @dataclass(frozen=True)
@@ -206,8 +215,8 @@ class EvaluateConfig:
     sampling_rule: str = "ratio"
     seed: int = 0
 
-    def validate(self, source: str) -> None:
-        checks = [
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
             ("verify_tokens", self.verify_tokens is None or self.verify_tokens >= 1, "must be null or >= 1"),
             ("temperatures", all(t >= 0 for t in self.temperatures), "must hold temperatures >= 0"),
             ("sampling_rule", self.sampling_rule in ("ratio", "match"), "must be 'ratio' or 'match'"),
@@ -218,7 +227,9 @@ class EvaluateConfig:
             ("num_prompts", self.num_prompts >= 0, "must be >= 0"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
         ]
-        _check(checks, self, "evaluate", source)
+
+    def validate(self, source: str) -> None:
+        _check(self.checks(), self, "evaluate", source)
 
 
 @dataclass(frozen=True)
@@ -227,8 +238,11 @@ class ExportConfig:
     # scores it identically); bfloat16 halves the files, as published drafters ship.
     dtype: str = "float32"
 
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [("dtype", self.dtype in ("float32", "bfloat16"), "must be 'float32' or 'bfloat16'")]
+
     def validate(self, source: str) -> None:
-        _check([("dtype", self.dtype in ("float32", "bfloat16"), "must be 'float32' or 'bfloat16'")], self, "export", source)
+        _check(self.checks(), self, "export", source)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,17 @@
 """Small file helpers every stage shares: atomic writes (a file appears whole or not at all),
-content hashing, strict-JSON metrics files and figures. A killed stage leaves at most a `*.tmp`
+content hashing and digest checks, strict JSON and figures. A killed stage leaves at most a `*.tmp`
 file behind, never a half-written output.
 
-Metrics files are strict JSON: a value that is not a finite number (a slot no block reached, the
-interval of a single prompt) is written as null, never as NaN or Infinity, which strict readers
-(DVC's metrics diff among them in some versions, jq, JavaScript) reject. Figures are drawn with
-matplotlib's Agg backend, so plots need no browser and no network.
+Every JSON file the pipeline writes goes through `json_text` (and so `write_json_atomic`): strict
+JSON, where a value that is not a finite number (a slot no block reached, the interval of a single
+prompt) is written as null, never as NaN or Infinity, which strict readers (DVC's metrics diff
+among them in some versions, jq, JavaScript) reject. Figures are drawn with matplotlib's Agg
+backend, so plots need no browser and no network.
+
+A file a later stage trusts carries its sha256 in the JSON beside it (checkpoint.json, a shard
+manifest, target.json, an export's dflash_pipeline.json); `digest_problem` is the one check of
+such a record, and a record without a digest (a file written before there were any) has nothing
+to check.
 """
 
 import contextlib
@@ -18,6 +24,17 @@ import shutil
 from pathlib import Path
 
 
+STAGING_SUFFIX = ".partial"
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """Where a stage that publishes a folder in one rename works until it is done (capture): a
+    killed run's work waits there for the rerun. Once the output exists it is a leftover, which
+    `dflash-pipeline verify --repair` (run by `make repro`) removes, whatever served the output."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + STAGING_SUFFIX)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -25,8 +42,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_json_atomic(path: Path, data) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+def json_text(data, *, sort_keys: bool = True, ensure_ascii: bool = True) -> str:
+    """`data` as strict JSON text (`strict_json`: NaN and infinities become null), two-space
+    indented, with a final newline: the one way the pipeline spells a JSON file."""
+    return json.dumps(strict_json(data), indent=2, sort_keys=sort_keys, ensure_ascii=ensure_ascii, allow_nan=False) + "\n"
+
+
+def write_json_atomic(path: Path, data, *, sort_keys: bool = True) -> None:
+    write_text_atomic(path, json_text(data, sort_keys=sort_keys))
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -35,6 +58,36 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+# Digests already computed in this process, by (path, device, inode, size, mtime, ctime): a
+# target's weights are checked wherever target.json is opened, hashed once per process. The ctime
+# is in the key because a write that restores the mtime (as a flipped bit leaves it) cannot
+# restore the ctime.
+_DIGESTS: dict = {}
+
+
+def sha256_file_cached(path: Path) -> str:
+    """`sha256_file`, remembered for the process while the file's inode, size, mtime and ctime stay."""
+    status = os.stat(path)
+    key = (str(Path(path).resolve()), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_file(path)
+    return _DIGESTS[key]
+
+
+def digest_problem(path: Path, expected: str | None, *, recorded_in: Path | str, cached: bool = False) -> str | None:
+    """What is wrong with `path` against the sha256 `expected` that `recorded_in` holds, as the one
+    line a user sees, or None when it matches or nothing was recorded (a file from before digests)."""
+    if not expected:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        return f"{path}: missing ({Path(recorded_in).name} records its sha256)"
+    actual = (sha256_file_cached if cached else sha256_file)(path)
+    if actual != expected:
+        return f"{path}: damaged (sha256 {actual[:12]}..., {Path(recorded_in).name} records {expected[:12]}...)"
+    return None
 
 
 def reuse_or_reset(folder: Path, record_name: str, record: dict, counted: str) -> int:
@@ -115,7 +168,7 @@ def write_metrics(path: Path, metrics) -> None:
     """A metrics JSON file (strict JSON, atomic, sorted keys), its folder created if needed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, strict_json(metrics))
+    write_json_atomic(path, metrics)
 
 
 def pyplot():

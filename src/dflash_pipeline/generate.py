@@ -270,6 +270,22 @@ def select_prompts(prompt_set: PromptSet, tokenizer, config: GenerateConfig) -> 
     return selected, skipped
 
 
+SPLITS = ("train", "val")
+
+
+def check_split_sizes(prompts: list[Prompt], *, prompt_set: PromptSet, config: GenerateConfig, what: str) -> None:
+    """Refuse a split without a prompt where the split is made, not in train or evaluate later:
+    train learns from the train split and scores the val split every eval_every steps."""
+    counts = Counter(prompt.split for prompt in prompts)
+    for split in SPLITS:
+        if counts[split] == 0:
+            where = prompt_set.source or "the prompt set"
+            raise PipelineError(
+                f"generate: {where}: {len(prompts)} {what} give 0 {split} prompts (generate.val_fraction {config.val_fraction}, "
+                f"generate.max_prompts {config.max_prompts}); every split needs one: add prompts, change generate.val_fraction, "
+                f"or pin a prompt to {split} with a \"split\": \"{split}\" field")
+
+
 def answer_pending(model, pending: list[tuple[Prompt, list[int]]], cache: "AnswerCache", *, config: GenerateConfig, eos_ids: set[int],
                    pad_id: int, bar) -> int:
     """Answer `pending` batch by batch, each batch saved to the cache as it finishes; returns the new tokens."""
@@ -320,6 +336,7 @@ def run_generate(
     summary.json's content plus `this_run` (answers reused and made now, seconds, tokens/s)."""
     from dflash_pipeline.target.load import load_target
 
+    check_split_sizes(prompt_set.prompts, prompt_set=prompt_set, config=config, what="prompt(s)")
     model, tokenizer = load_target(target, device=device)
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     settings = generation_settings(config, target, compute_dtype, decoding_engine(model))
@@ -327,6 +344,8 @@ def run_generate(
     if cache.discarded:
         print(f"generate: settings changed since the cached answers; discarded {cache.discarded} chunk(s)")
     selected, skipped = select_prompts(prompt_set, tokenizer, config)
+    check_split_sizes([prompt for prompt, _ in selected], prompt_set=prompt_set, config=config,
+                      what=f"prompt(s) within max_prompt_tokens {config.max_prompt_tokens}")
     pending = [(p, ids) for p, ids in selected if p.id not in cache.rows]
     reused = len(selected) - len(pending)
     if reused:

@@ -4,6 +4,10 @@ Blocks of one answer are not independent (an easy math answer makes every block 
 every interval the pipeline reports is taken over prompts: each prompt's blocks are averaged
 first, and the interval is over those per-prompt means. Train's periodic τ, evaluate's τ and the
 comparison between drafters all use these three functions.
+
+An interval that does not exist (one prompt has no spread to measure) is infinite in memory, null
+in every JSON file (`files.strict_json`) and `± n/a` on the console (`format_interval`, the one
+spelling of a value and its interval there).
 """
 
 import math
@@ -53,3 +57,14 @@ def paired_difference(values: np.ndarray, prompt: np.ndarray, reference: np.ndar
     differences = [a - b for a, b in zip(ours, theirs)]
     mean, half = mean_ci95(differences)
     return mean, half, len(differences)
+
+
+def format_interval(mean, half, *, digits: int = 3, signed: bool = False) -> str:
+    """"1.234 ± 0.056" for the console; an undefined mean or interval (None, NaN, infinite: one
+    prompt has no spread) is "n/a", the same wherever a value and its interval are printed."""
+    def shown(value, sign: str) -> str:
+        if value is None or not math.isfinite(float(value)):
+            return "n/a"
+        return f"{float(value):{sign}.{digits}f}"
+
+    return f"{shown(mean, '+' if signed else '')} ± {shown(half, '')}"

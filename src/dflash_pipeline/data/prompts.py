@@ -50,6 +50,7 @@ class PromptSet:
     prompts: list[Prompt]
     skipped: Counter = field(default_factory=Counter)  # reason -> rows skipped
     duplicates: int = 0
+    source: str = ""  # the prompt file read, named in errors about the set as a whole
 
 
 class BadRow(ValueError):
@@ -156,7 +157,7 @@ def read_prompts(path: Path | str, *, val_fraction: float, on_bad_row: str = "er
         rows = _jsonl_rows(path)
     else:
         raise PipelineError(f"{path}: unknown prompt file type {path.suffix!r} (expected .jsonl or .parquet)")
-    result = PromptSet(prompts=[])
+    result = PromptSet(prompts=[], source=str(path))
     seen: set[str] = set()
     for line, row in rows:
         try:

@@ -55,13 +55,18 @@ class Architecture:
             raise ValueError(f"{self.name} has no option {unknown[0]!r} (its options: {', '.join(sorted(known)) or 'none'})")
         return self.options_type(**value)
 
-    def option_problems(self, options, loss_options) -> list[tuple[str, str]]:
-        """(key, why) for every option value out of range, sizes apart (`check`)."""
+    def option_checks(self, options, loss_options) -> list[tuple[str, bool, str]]:
+        """(key, ok, why) for every option this architecture checks on its own, sizes apart (`check`):
+        the one list of what a value of `train.options.<name>` may be (tests walk it)."""
         return []
 
-    def check(self, config: DrafterConfig) -> str | None:
-        """What is wrong with these sizes for this architecture (e.g. a group that does not divide
-        hidden_size), or None."""
+    def option_problems(self, options, loss_options) -> list[tuple[str, str]]:
+        """(key, why) for every option value out of range, sizes apart (`check`)."""
+        return [(key, why) for key, ok, why in self.option_checks(options, loss_options) if not ok]
+
+    def check(self, config: DrafterConfig) -> tuple[str, str] | None:
+        """What is wrong with these sizes for this architecture, as (option key, why): e.g.
+        ("conv_group_size", "must divide hidden_size 64"); or None."""
         return None
 
     def train_options(self, raw: Mapping | None, *, source: str):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from dflash_pipeline.config import TrainConfig, as_dict
 from dflash_pipeline.drafters import family
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, DrafterSizeError
 from dflash_pipeline.target.folder import read_tensors
 from dflash_pipeline.target.load import TargetInfo
 
@@ -101,8 +101,9 @@ def drafter_config_for(target: TargetInfo, config: TrainConfig, *, layer_ids: li
             architecture=choice.member.name,
             options=choice.options,
         )
-    except ValueError as exc:  # sizes the architecture refuses for this target (e.g. a group that does not divide hidden_size)
-        raise PipelineError(f"{source}: train.options.{choice.member.name}: {exc} (the target {target.path})") from None
+    except DrafterSizeError as exc:  # an option the architecture refuses for this target's sizes (e.g. a top-K over the vocabulary)
+        raise PipelineError(f"{source}: key 'train.options.{choice.member.name}.{exc.key}' {exc.why} for the target {target.path}, "
+                            f"got {exc.value!r}") from None
 
 
 def init_from_target_layers(drafter: DFlashDrafter, target: TargetInfo) -> list[int]:

@@ -29,6 +29,15 @@ from torch import nn
 from dflash_pipeline.drafters import family
 
 
+class DrafterSizeError(ValueError):
+    """An architecture option that does not fit the drafter's sizes (`Architecture.check`): the
+    option's key, why, and its value, so that a caller can name the key where it was set."""
+
+    def __init__(self, key: str, why: str, value):
+        super().__init__(f"{key} {value} {why}")
+        self.key, self.why, self.value = key, why, value
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     hidden_size: int
@@ -58,7 +67,8 @@ class DrafterConfig:
         object.__setattr__(self, "options", member.options_from(self.options))
         problem = member.check(self)
         if problem:
-            raise ValueError(problem)
+            key, why = problem
+            raise DrafterSizeError(key, why, getattr(self.options, key, None))
 
     @property
     def member(self):

@@ -236,23 +236,21 @@ class DFlash2(Architecture):
     weight_aliases = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
                       for name in ("predecessor_codebook", "successor_codebook")}
 
-    def option_problems(self, options: DFlash2Options, loss_options: DFlash2LossOptions) -> list[tuple[str, str]]:
-        checks = [("conv_kernel_size", options.conv_kernel_size >= 1, "must be >= 1"),
-                  ("conv_group_size", options.conv_group_size >= 1, "must be >= 1"),
-                  ("selector_rank", options.selector_rank >= 1, "must be >= 1"),
-                  ("selector_top_k", options.selector_top_k >= 2, "must be >= 2"),
-                  ("selector_weight", loss_options.selector_weight >= 0.0, "must be >= 0")]
-        return [(key, why) for key, ok, why in checks if not ok]
+    def option_checks(self, options: DFlash2Options, loss_options: DFlash2LossOptions) -> list[tuple[str, bool, str]]:
+        return [("conv_kernel_size", options.conv_kernel_size >= 1, "must be >= 1"),
+                ("conv_group_size", options.conv_group_size >= 1, "must be >= 1"),
+                ("selector_rank", options.selector_rank >= 1, "must be >= 1"),
+                ("selector_top_k", options.selector_top_k >= 2, "must be >= 2"),
+                ("selector_weight", loss_options.selector_weight >= 0.0, "must be >= 0")]
 
-    def check(self, config: DrafterConfig) -> str | None:
+    def check(self, config: DrafterConfig) -> tuple[str, str] | None:
         options = config.options
-        if options.conv_kernel_size < 1 or options.conv_group_size < 1 or config.hidden_size % options.conv_group_size:
-            return (f"conv_kernel_size {options.conv_kernel_size} must be >= 1 and conv_group_size {options.conv_group_size} "
-                    f"must divide hidden_size {config.hidden_size}")
-        if options.selector_rank < 1 or not 1 <= options.selector_top_k <= config.vocab_size:
-            return (f"selector_top_k {options.selector_top_k} must be in 1..vocab_size ({config.vocab_size}) and "
-                    f"selector_rank {options.selector_rank} >= 1")
-        return None
+        sizes = [("conv_kernel_size", options.conv_kernel_size >= 1, "must be >= 1"),
+                 ("conv_group_size", options.conv_group_size >= 1 and config.hidden_size % options.conv_group_size == 0,
+                  f"must divide hidden_size {config.hidden_size}"),
+                 ("selector_rank", options.selector_rank >= 1, "must be >= 1"),
+                 ("selector_top_k", 1 <= options.selector_top_k <= config.vocab_size, f"must be in 1..vocab_size ({config.vocab_size})")]
+        return next(((key, why) for key, ok, why in sizes if not ok), None)
 
     # layers
     def sublayer_wrappers(self, config: DrafterConfig) -> tuple:

@@ -15,7 +15,9 @@ A drafter folder, as z-lab publishes them and as z-lab/dflash's `DFlashDraftMode
                            candidate_selector.{predecessor_codebook, successor_codebook,
                            hidden_projection.weight} (the codebooks without ".weight", as published;
                            z-lab's from_pretrained maps them onto its nn.Embedding)
-    dflash_pipeline.json   ours, optional: our DrafterConfig, the source checkpoint and target
+    dflash_pipeline.json   ours, optional: our DrafterConfig, the source checkpoint and target, and
+                           the sha256 of every other file of the folder (`files`): our loader
+                           refuses a folder whose files differ from them, naming the file
     draft_vocab.safetensors ours, optional: `token_ids`, the draft vocabulary of a drafter trained
                            with `train.train_vocab: data`; a server that ignores it drafts over
                            the whole vocabulary (still lossless, a dearer head, lower τ). A
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import read_json, write_json_atomic
+from dflash_pipeline.files import digest_problem, read_json, sha256_file, write_json_atomic
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.target.folder import weight_files
@@ -161,13 +163,15 @@ def export_drafter(drafter: DFlashDrafter, out_dir: Path, *, dtype: torch.dtype 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_json_atomic(tmp / "config.json", config, sort_keys=False)  # the order of the published configs
     save_file(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
     if drafter.has_draft_vocab:
         # Beside the public files, which servers read unchanged (and then draft over the whole
         # vocabulary); our loader and FR-Spec-style servers draft over these token ids only.
         save_file({"token_ids": drafter.draft_vocab.detach().to("cpu").contiguous()}, tmp / DRAFT_VOCAB_FILE)
         provenance["draft_vocab_size"] = int(drafter.draft_vocab.numel())
+    # What the folder's files are, so that a flipped bit in the shipped weights is found before it is served or scored.
+    provenance["files"] = {path.name: sha256_file(path) for path in sorted(tmp.iterdir()) if path.is_file()}
     write_json_atomic(tmp / PROVENANCE_FILE, provenance)
     # Never a half-written folder under the final name: the old one is moved aside, not overwritten.
     old = out_dir.with_name(out_dir.name + ".old")
@@ -334,6 +338,16 @@ def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, 
     return tensors, stored
 
 
+def provenance_problems(directory: Path, provenance: dict) -> list[str]:
+    """Each file of an export whose sha256 is not the one its dflash_pipeline.json records, as a
+    line naming the file (empty: all match, or the folder records none, as before digests)."""
+    recorded = provenance.get("files") or {}
+    if not isinstance(recorded, dict):
+        return [f"{directory / PROVENANCE_FILE}: files is {type(recorded).__name__}, expected a mapping of file name to sha256"]
+    found = (digest_problem(directory / name, digest, recorded_in=directory / PROVENANCE_FILE) for name, digest in sorted(recorded.items()))
+    return [problem for problem in found if problem]
+
+
 def _provenance(directory: Path, config: DrafterConfig) -> tuple[dict | None, DrafterConfig]:
     """Our provenance file if present, and the config with its `extra` notes restored.
 
@@ -368,7 +382,8 @@ def load_dflash_drafter(directory: Path, *, device: str = "cpu") -> tuple[DFlash
     """A DFlashDrafter (fp32) from a serving-format folder, ours or published.
 
     The info dict holds `config` (config.json as read), `provenance` (ours, or None) and
-    `stored_dtype` (the dtype of the weight files, e.g. "bfloat16").
+    `stored_dtype` (the dtype of the weight files, e.g. "bfloat16"). A folder of ours whose files
+    are not the ones its provenance records (`provenance_problems`) is refused, naming the file.
     """
     directory = Path(directory)
     config_path = directory / "config.json"
@@ -381,6 +396,11 @@ def load_dflash_drafter(directory: Path, *, device: str = "cpu") -> tuple[DFlash
     drafter.load_state_dict(tensors)
     if (directory / DRAFT_VOCAB_FILE).is_file():
         drafter.set_draft_vocab(_read_draft_vocab(directory / DRAFT_VOCAB_FILE, drafter_config.vocab_size))
+    # Ours: what still parses must also be what was exported (a flipped bit in a weight parses).
+    # Checked last, so that an edit a reader would trip over is named by what it breaks.
+    problems = provenance_problems(directory, provenance) if provenance is not None else []
+    if problems:
+        raise PipelineError(problems[0])
     stored_dtypes = sorted(set(stored.values()))
     info = {"config": raw, "provenance": provenance,
             "stored_dtype": stored_dtypes[0] if len(stored_dtypes) == 1 else stored_dtypes}

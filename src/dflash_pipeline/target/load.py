@@ -15,6 +15,9 @@ Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a has
 weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
 different target makes them stale and nothing else does. The DVC cache holds only what the stage
 writes: the embedded default's conversion, never a user's own folder or the Hugging Face cache.
+For a model the stage wrote into its own output (the conversion), target.json also records the
+sha256 of every file (`files`, outside the fingerprint), and `TargetInfo.from_json`, which every
+stage and command opens the target through, refuses a damaged file in one line naming it.
 
 Also the target's pieces that other modules use: which layers feed the drafter (`build_target_layer_ids`)
 and the hooks that read them (`LayerTap`), and the frozen embedding and LM head (`TargetHead`, read
@@ -34,7 +37,7 @@ import torch
 
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import read_json, sha256_file, write_json_atomic
+from dflash_pipeline.files import digest_problem, read_json, sha256_file, write_json_atomic
 from dflash_pipeline.target.embedded import convert_embedded
 from dflash_pipeline.target.folder import check_config_spellings, read_tensors
 
@@ -72,6 +75,9 @@ class TargetInfo:
         if not model_path.is_absolute():
             # A relative path (the embedded conversion) is relative to target.json's own folder.
             model_path = Path(path).resolve().parent / model_path
+        problem = target_files_problem(path, data)
+        if problem:
+            raise PipelineError(problem)
         return cls(
             path=model_path,
             architecture=data["architecture"],
@@ -83,6 +89,20 @@ class TargetInfo:
             fingerprint=data["fingerprint"],
             eos_token_ids=tuple(data["eos_token_ids"]),
         )
+
+
+def target_files_problem(path: Path, data: dict) -> str | None:
+    """The first file target.json's `files` records whose sha256 differs (digests are remembered
+    per process, so a command that opens the target twice hashes it once), or None."""
+    recorded = data.get("files") or {}
+    if not isinstance(recorded, dict):
+        return f"{path}: files is {type(recorded).__name__}, expected a mapping of file to sha256"
+    folder = Path(path).parent
+    for name, digest in sorted(recorded.items()):
+        problem = digest_problem(folder / name, digest, recorded_in=path, cached=True)
+        if problem:
+            return problem
+    return None
 
 
 def _sha256_bytes(data: bytes) -> str:
@@ -221,6 +241,12 @@ def prepare_target(config: TargetConfig, *, out_dir: Path) -> dict:
     except ValueError:
         recorded = str(model_dir.resolve())
     info = fingerprint_target(model_dir, name=config.model, recorded_path=recorded)
+    if not Path(recorded).is_absolute():
+        # The stage's own output (the conversion), cached and pushed by DVC: every file gets its
+        # digest, checked wherever the target is opened. A user's folder is only referenced (and
+        # hashing a large one in full at every stage would cost minutes): its header hash stays.
+        info["files"] = {str(file.relative_to(out_dir)): sha256_file(file) for file in sorted((out_dir / recorded).rglob("*"))
+                         if file.is_file() and file != out_dir / "target.json"}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out_dir / "target.json", info)
     return info

@@ -30,9 +30,9 @@ from dflash_pipeline.data.blocks import Batch, build_batch, training_anchor_seed
 from dflash_pipeline.drafters.checkpoints import (
     list_checkpoints,
     load_resume_state,
+    record_changes,
     remove_checkpoints,
-    save_checkpoint,
-    save_resume_state,
+    save_step,
     step_folder,
 )
 from dflash_pipeline.config import TrainConfig
@@ -202,6 +202,12 @@ def _open_shards(target: TargetInfo, train_dir: Path, val_dir: Path) -> tuple[Sh
     if val_set.manifest.layer_ids != train_set.manifest.layer_ids:
         raise PipelineError(f"{val_dir / 'manifest.json'}: layer_ids {val_set.manifest.layer_ids} differ from train's "
                             f"{train_set.manifest.layer_ids}")
+    for name, dataset, folder in (("train", train_set, train_dir), ("val", val_set, val_dir)):
+        # Found here, before step 1: the val split is scored every eval_every steps, and an empty
+        # one would otherwise stop the run there (generate and capture refuse one when they make it).
+        if len(dataset) == 0:
+            raise PipelineError(f"train: {folder / 'manifest.json'}: the {name} split holds no sequence; rerun generate with "
+                                f"more prompts (or pin some to {name} with a \"split\" field)")
     return train_set, val_set
 
 
@@ -222,10 +228,11 @@ def channel_rms_scale(train_set, *, max_tokens: int = 65536) -> torch.Tensor:
 
 
 def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
-              log=print) -> TrainingRun:
+              log=print, source: str = "params.yaml") -> TrainingRun:
     """Shards, drafter, frozen head, optimizer and step plan; resumed from `out_dir` when it holds
-    a checkpoint of this exact run configuration, else `out_dir` is cleared of other runs' ones."""
-    architecture = choose_architecture(config)  # a bad architecture or option stops before any work
+    a checkpoint of this exact run configuration, else `out_dir` is cleared of other runs' ones.
+    `source`: the params file `config` came from, named in configuration errors."""
+    architecture = choose_architecture(config, source=source)  # a bad architecture or option stops before any work
     device, world, rank = _init_distributed(device)
     on_gpu = device.startswith("cuda")
     torch.manual_seed(config.seed)
@@ -237,12 +244,13 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     if config.mask_token_id is not None:
         mask_token_id, mask_reason = config.mask_token_id, "set in params (train.mask_token_id)"
         if not 0 <= mask_token_id < target.vocab_size:
-            raise PipelineError(f"params.yaml: train.mask_token_id {mask_token_id} is outside the vocabulary (0..{target.vocab_size - 1})")
+            raise PipelineError(f"{source}: key 'train.mask_token_id' must be in the vocabulary of the target (0..{target.vocab_size - 1}), "
+                                f"got {mask_token_id}")
     else:
         mask_token_id, mask_reason = choose_mask_token(target, _used_token_ids(train_set, val_set))
     gamma = config.gamma if config.gamma is not None else default_gamma(config.block_size)
     drafter_config = drafter_config_for(target, config, layer_ids=manifest.layer_ids, mask_token_id=mask_token_id,
-                                        extra={"mask_token": mask_reason, "gamma": gamma})
+                                        extra={"mask_token": mask_reason, "gamma": gamma}, source=source)
     check_contract(manifest, target=target, drafter_config=drafter_config, source=str(train_dir / "manifest.json"))
     if config.distill_weight > 0 and manifest.target_top_k == 0:
         raise PipelineError(f"{train_dir / 'manifest.json'}: train.distill_weight {config.distill_weight} needs the target's top-k, "
@@ -335,7 +343,10 @@ def _resume_or_start_fresh(run: TrainingRun, out_dir: Path, *, log) -> None:
             message = (f"starting fresh: no checkpoint of this run configuration can be continued ({_listed(point.skipped)}); "
                        f"removing {stale} checkpoint(s)")
         else:
-            message = f"starting fresh; removing {stale} checkpoint(s) of a different run configuration" if point.skipped else ""
+            # Every key of the record is part of what the run computes: train.max_steps too, since the
+            # learning-rate schedule runs to it (README, "Parameters and experiments").
+            changes = f" ({record_changes(point.other_record, run.record)})" if point.other_record is not None else ""
+            message = f"starting fresh; removing {stale} checkpoint(s) of a different run configuration{changes}" if point.skipped else ""
         if message:
             log(f"train: {message}")
         remove_checkpoints(out_dir)
@@ -524,7 +535,7 @@ def _mean(values: list[float]) -> float | None:
 
 
 def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_dir: Path, out_dir: Path, device: str,
-              log=print) -> dict:
+              log=print, source: str = "params.yaml") -> dict:
     """Train (or resume) a drafter; return the final metrics and curve. Rank 0 writes every file.
 
     A run that finds itself already finished (resumed at its last step) reports the metrics of
@@ -534,7 +545,7 @@ def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
 
     from dflash_pipeline.progress import progress
 
-    run = setup_run(config, target=target, train_dir=train_dir, val_dir=val_dir, out_dir=out_dir, device=device, log=log)
+    run = setup_run(config, target=target, train_dir=train_dir, val_dir=val_dir, out_dir=out_dir, device=device, log=log, source=source)
     rank, world = run.rank, run.world
     bar = progress(total=config.max_steps, initial=run.start_step, desc="train", unit="step", disable=rank != 0)
     started, seconds_before = time.perf_counter(), run.seconds
@@ -622,10 +633,9 @@ def _latest_tau(curve: list[dict]) -> dict:
 def _save(run: TrainingRun, out_dir: Path, step: int) -> None:
     latest = _latest_tau(run.curve)
     metrics = {"step": step, "loss": _mean(run.recent_losses), "tau_tf": latest.get("tau"), "tau_tf_ci95": latest.get("tau_ci95")}
-    save_checkpoint(out_dir, step=step, drafter=run.drafter, record=run.record, metrics=metrics)
+    save_step(out_dir, step=step, drafter=run.drafter, optimizer=run.optimizer, curve=run.curve, record=run.record, metrics=metrics,
+              extra={"recent_losses": run.recent_losses, "tokens_seen": run.tokens_seen, "seconds": run.seconds})
     run.last_saved = step
-    save_resume_state(out_dir, step=step, optimizer=run.optimizer, curve=run.curve, record=run.record,
-                      extra={"recent_losses": run.recent_losses, "tokens_seen": run.tokens_seen, "seconds": run.seconds})
 
 
 def _final_metrics(run: TrainingRun) -> dict:
