@@ -59,18 +59,22 @@ READ_EVERY = 16
 
 def decoding_engine(model) -> str:
     """The kernel path `greedy_generate` takes for this model, recorded in the generate settings
-    so answers of one path are never mixed with another's (they can part at bf16 near-ties)."""
+    so answers of one path are never mixed with another's (they can part at bf16 near-ties).
+
+    The static KV loop with a CUDA graph per step on a GPU (where transformers' forward spent
+    ~50 ms of host work per step); transformers' forward on a CPU, where the step is compute and
+    the static loop measured 0.94x its tokens/s with identical answers (bench/generate.py
+    --engines: it attends over the whole cache length and keeps ended rows up to 16 steps)."""
     from dflash_pipeline.decoding.static_decoder import supports
 
-    if not supports(model):
-        return "transformers-dynamic-cache"
-    return "static-kv-cuda-graph" if next(model.parameters()).device.type == "cuda" else "static-kv"
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return "static-kv-cuda-graph" if on_gpu and supports(model) else "transformers-dynamic-cache"
 
 
 def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, on_step=None) -> list[Answer]:
-    """Greedy-decode a batch of prompts with left padding: over a static KV cache where the
-    target's layers allow it (`decoding.static_decoder`), else transformers' forward.
-    `on_step(new_tokens, finished_rows)` reports progress."""
+    """Greedy-decode a batch of prompts with left padding: on a GPU over a static KV cache where
+    the target's layers allow it (`decoding.static_decoder`), else with transformers' forward
+    (`decoding_engine`). `on_step(new_tokens, finished_rows)` reports progress."""
     if decoding_engine(model) == "transformers-dynamic-cache":
         return dynamic_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
     return static_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
