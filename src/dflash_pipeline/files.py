@@ -52,12 +52,17 @@ def write_json_atomic(path: Path, data, *, sort_keys: bool = True) -> None:
     write_text_atomic(path, json_text(data, sort_keys=sort_keys))
 
 
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
+def file_digest(path: Path, algorithm: str = "sha256", chunk: int = 8 << 20) -> str:
+    """The hex digest of a file's bytes, read in chunks (sha256 for our records, md5 for DVC's cache names)."""
+    digest = hashlib.new(algorithm)
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    return file_digest(path, "sha256", chunk)
 
 
 # Digests already computed in this process, by (path, device, inode, size, mtime, ctime): a

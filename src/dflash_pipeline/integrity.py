@@ -31,7 +31,6 @@ names a live process writing an output).
 
 import configparser
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -51,7 +50,7 @@ from dflash_pipeline.drafters.checkpoints import (
 )
 from dflash_pipeline.drafters.serving import PROVENANCE_FILE, provenance_problems
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import digest_problem, read_json, staging_dir
+from dflash_pipeline.files import digest_problem, file_digest, read_json, staging_dir
 from dflash_pipeline.tensor_files import safetensors_header
 
 # The pipeline's outputs, as dvc.yaml names them.
@@ -202,12 +201,8 @@ def _object_path(cache: Path, md5: str) -> Path:
     return cache / "files" / "md5" / md5[:2] / md5[2:]
 
 
-def _md5(path: Path, chunk: int = 8 << 20) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def _md5(path: Path) -> str:
+    return file_digest(path, "md5")
 
 
 def lock_objects(root: Path, cache: Path) -> dict[Path, list[Path]]:
