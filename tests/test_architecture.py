@@ -17,7 +17,7 @@ LAYERS = [
     ["errors", "files", "tensor_files", "config", "runtime", "devices", "stats", "progress"],
     ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "decoding.sampling", "decoding.trees", "decoding.static_decoder",
      "evaluate.record", "drafters.family", "drafters.core", "drafters.architecture", "drafters.dflash", "drafters.dflash2",
-     "drafters.serving"],
+     "drafters.serving", "decoding.static_speculation"],
     ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "decoding.session", "evaluate.scoring", "train.loss",
      "integrity"],
     ["generate", "capture", "train.run", "evaluate.run", "export"],

@@ -4,13 +4,15 @@ A scripted target over a 6-token vocabulary gives p(first token) and p(second | 
 scripted drafter gives fixed q rows (as DFlash drafts every slot in parallel). Thousands of
 two-token continuations decoded speculatively must follow p(x1) p(x2 | x1) by a chi-square test,
 and the same test must reject two planted bugs: accepting the draft without the ratio, and
-resampling a rejection from p instead of the residual max(0, p - q).
+resampling a rejection from p instead of the residual max(0, p - q). The static speculative
+step's rules (`static_speculation.accept_sampled`, draws from given uniforms) pass the same test.
 """
 
 import pytest
 import torch
 
-from dflash_pipeline.decoding.sampling import draw, sampling_probs, verify_chain
+from dflash_pipeline.decoding.sampling import draw, draw_with_uniforms, sampling_probs, verify_chain
+from dflash_pipeline.decoding.static_speculation import accept_sampled
 
 V = 5
 
@@ -76,6 +78,18 @@ def match(rows, drafted, q, generator):
     return verify_chain(rows, drafted, None, rule="match", generator=generator)
 
 
+def drawn_from_uniforms(q, generator):  # the static step's drafter: its draws invert q's CDF
+    return draw_with_uniforms(q, torch.rand(2, generator=generator)).tolist()
+
+
+def on_device(rule):
+    def verify(rows, drafted, q, generator):
+        count, token = accept_sampled(rows, torch.tensor(drafted), q, torch.rand(len(drafted) + 1, generator=generator), rule)
+        return int(count), int(token)
+
+    return verify
+
+
 def accept_without_ratio(rows, drafted, q, generator):  # planted bug 1
     return len(drafted), draw(rows[len(drafted)], generator)
 
@@ -87,7 +101,8 @@ def resample_from_p(rows, drafted, q, generator):  # planted bug 2
     return len(drafted), draw(rows[len(drafted)], generator)
 
 
-@pytest.mark.parametrize("rule", [(sampled_draft, ratio), (argmax_draft, match)], ids=["ratio", "match"])
+@pytest.mark.parametrize("rule", [(sampled_draft, ratio), (argmax_draft, match), (drawn_from_uniforms, on_device("ratio")),
+                                  (argmax_draft, on_device("match"))], ids=["ratio", "match", "static-ratio", "static-match"])
 def test_speculative_sampling_keeps_the_target_distribution(rule):
     assert chi_square_p_value(sample_pairs(rule)) > 1e-3
 

@@ -25,6 +25,8 @@ from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, Proposal
 from dflash_pipeline.evaluate.record import EndToEnd, Interval, Mismatch, TimeSplit
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.decoding.sampling import Sampling, draw, verify_chain
+from dflash_pipeline.decoding.static_speculation import DecodeRun, StaticSpeculation, static_plain_decode
+from dflash_pipeline.decoding.static_speculation import stored_features as as_stored
 from dflash_pipeline.stats import mean_ci95
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.decoding.trees import DraftTree, tree_attention_mask, tree_positions
@@ -39,22 +41,35 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-@dataclass
-class DecodeRun:
-    tokens: list[int]
-    seconds: float
-    prefill_seconds: float
-    steps: list[int] = field(default_factory=list)  # tau of each speculative step (accepted + bonus)
-    verify_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    drafted: int = 0  # drafted tokens verified (chain tokens or tree nodes), over all steps
+STATIC_ENGINE = "static-kv"  # `static_speculation`: static KV, whole steps on the device
+HOST_ENGINE = "transformers-dynamic-cache"  # this module's loops over transformers' forward
+
+
+def speculation_engine(model) -> str:
+    """The loop that decodes one prompt at a time with this target (evaluate's end-to-end runs,
+    its plain baseline, the `generate` command): the static step where the target's layers allow
+    it (`static_decoder.supports`), else the host loops here. Plain and speculative decoding
+    always take the same one, so a speedup never compares two kernel paths."""
+    from dflash_pipeline.decoding.static_decoder import supports
+
+    return STATIC_ENGINE if supports(model) else HOST_ENGINE
+
+
+def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
+                  on_tokens=None, engine: str | None = None) -> DecodeRun:
+    """Plain decoding of one prompt, greedy (or sampled with `sampling`): the reference output and
+    timing, on `engine` (default: `speculation_engine(model)`). `on_tokens(list)` sees the new
+    tokens as they are made."""
+    if (engine or speculation_engine(model)) == STATIC_ENGINE:
+        return static_plain_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling, on_tokens=on_tokens)
+    return host_greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling, on_tokens=on_tokens)
 
 
 @torch.inference_mode()
-def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
-                  on_tokens=None) -> DecodeRun:
-    """Plain decoding of one prompt with a KV cache, greedy (or sampled with `sampling`): the
-    reference output and timing. `on_tokens(list)` sees each new token as it is made."""
+def host_greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
+                       on_tokens=None) -> DecodeRun:
+    """Plain decoding with transformers' forward and a DynamicCache, any target: one token and one
+    read back per step."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -83,17 +98,6 @@ def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids:
             on_tokens([token])
     synchronize(device)
     return DecodeRun(tokens=tokens, seconds=time.perf_counter() - started, prefill_seconds=prefilled - started)
-
-
-def as_stored(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
-    """Live target features rounded exactly as the shards store them, so the drafter sees at
-    inference what it saw in training."""
-    from dflash_pipeline.data.shards import decode_features, encode_features
-
-    if feature_dtype == "bf16":  # the shards' bf16 is exactly this rounding; stays on the device
-        return features.to(torch.bfloat16)
-    values, scales = encode_features(features, feature_dtype)
-    return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
 
 
 def drafter_proposer(drafter: DFlashDrafter, head: TargetHead, sampling: Sampling | None = None):
@@ -140,7 +144,6 @@ def verify_tree(model, cache, tree: DraftTree, anchor: int, position: int) -> tu
     return path, bonus
 
 
-@torch.inference_mode()
 def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
                        feature_dtype: str = "bf16", bf16: bool | None = None, sampling: Sampling | None = None,
                        on_tokens=None) -> DecodeRun:
@@ -161,7 +164,26 @@ def speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: 
     each step is verified by `sampling.verify_chain` under `sampling.rule`: the committed tokens are
     distributed exactly as `greedy_decode(..., sampling=...)` samples them. `on_tokens(list)` sees
     each step's committed tokens (streaming).
+
+    A proposer of `session.DecodingSession.proposer` carries its mode (`propose.static`, a
+    `static_speculation.StaticSpeculation`): on the static engine (`speculation_engine`) that
+    decodes instead, with the same answers at T = 0 and the same steps. Any other `propose`
+    runs this host loop.
     """
+    static = getattr(propose, "static", None)
+    if static is not None and speculation_engine(model) == STATIC_ENGINE:
+        return static.decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, feature_dtype=feature_dtype, bf16=bf16,
+                             sampling=sampling, on_tokens=on_tokens)
+    return host_speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                   feature_dtype=feature_dtype, bf16=bf16, sampling=sampling, on_tokens=on_tokens)
+
+
+@torch.inference_mode()
+def host_speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int],
+                            feature_dtype: str = "bf16", bf16: bool | None = None, sampling: Sampling | None = None,
+                            on_tokens=None) -> DecodeRun:
+    """`speculative_decode`'s loop on the host: transformers' forward and DynamicCache, the
+    proposal, acceptance and caches handled step by step in Python (any target, any `propose`)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device

@@ -44,6 +44,19 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def draw_with_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids [...] drawn from distributions probs [..., V] by inverting their CDFs at uniforms
+    [...] in [0, 1). The randomness is an input (filled by a seeded generator outside), so a
+    compiled or graph-captured step can sample without a generator object and without a read
+    back. The CDF is summed in float64; a draw never lands past the last token with mass."""
+    cdf = probs.double().cumsum(-1)
+    threshold = uniforms.double()[..., None] * cdf[..., -1:]
+    index = torch.searchsorted(cdf, threshold, right=True)[..., 0]
+    columns = torch.arange(probs.shape[-1], device=probs.device)
+    last_with_mass = torch.where(probs > 0, columns, -1).amax(-1)
+    return torch.minimum(index, last_with_mass)
+
+
 def verify_chain(target_probs: torch.Tensor, drafted: list[int], draft_probs: torch.Tensor | None, *, rule: str,
                  generator: torch.Generator | None = None) -> tuple[int, int]:
     """(accepted, next_token) for one verify step.

@@ -30,6 +30,7 @@ from dflash_pipeline.decoding.engine import (
     verified_prefix,
 )
 from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.decoding.static_speculation import StaticSpeculation
 from dflash_pipeline.devices import bf16_by_default
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.errors import PipelineError
@@ -68,10 +69,14 @@ class DecodingSession:
         if tree_budget is not None:
             if sampling is not None or verify_tokens is not None:
                 raise PipelineError("tree decoding is greedy and verifies the whole tree (no sampling, no verify_tokens)")
-            return tree_proposer(self.drafter, self.head, tree_budget)
-        propose = drafter_proposer(self.drafter, self.head, sampling)
-        if verify_tokens is not None:
-            propose = verified_prefix(propose, min(verify_tokens, self.drafter.config.block_size - 1))
+            propose = tree_proposer(self.drafter, self.head, tree_budget)
+        else:
+            propose = drafter_proposer(self.drafter, self.head, sampling)
+            if verify_tokens is not None:
+                verify_tokens = min(verify_tokens, self.drafter.config.block_size - 1)
+                propose = verified_prefix(propose, verify_tokens)
+        # the same mode on the static engine (`engine.speculative_decode` takes it where it runs)
+        propose.static = StaticSpeculation(self.drafter, self.head, tree_budget=tree_budget, verify_tokens=verify_tokens)
         return propose
 
     def decode(self, prompt_ids: list[int], propose, *, max_new_tokens: int, sampling: Sampling | None = None,

@@ -28,7 +28,9 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 
 def supports(model) -> bool:
     """Whether `StaticDecoder` can run this target (else transformers' forward serves it)."""
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None or not callable(getattr(model, "get_decoder", None)):  # not a transformers model (a test's stand-in)
+        return False
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     return (config.model_type in SUPPORTED_MODEL_TYPES and rope.get("rope_type", "default") == "default"
             and not getattr(config, "attention_bias", False) and getattr(config, "sliding_window", None) is None)
@@ -37,7 +39,7 @@ def supports(model) -> bool:
 class StaticDecoder:
     """A fixed batch of sequences decoded over a preallocated cache of `length` columns."""
 
-    def __init__(self, model, *, batch: int, length: int):
+    def __init__(self, model, *, batch: int, length: int, tap_layers: tuple[int, ...] = ()):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self.apply_rope = apply_rotary_pos_emb
@@ -56,9 +58,15 @@ class StaticDecoder:
         self.column = torch.zeros((), dtype=torch.long, device=self.device)  # next cache column, shared by the rows
         self.key_columns = torch.arange(length, device=self.device)
         self.batch, self.length = batch, length
+        # The layers whose outputs the drafter reads (`target.load.LayerTap`'s ids: the output of
+        # layer i, the last one after the final norm). This forward calls the layers' submodules,
+        # not the layers, so the tap's hooks never fire: each forward records them itself.
+        self.tap_layers = tuple(tap_layers)
+        self.features: torch.Tensor | None = None  # [B, T, len(tap_layers) * H] of the last forward
 
-    def _attention(self, index: int, attention, hidden, cos, sin, columns):
-        """Self-attention of `hidden` [B, T, H] written at cache `columns` [T] and reading the whole cache."""
+    def _attention(self, index: int, attention, hidden, cos, sin, columns, visible):
+        """Self-attention of `hidden` [B, T, H] written at cache `columns` [T], reading the whole
+        cache under `visible` [B, T, length]."""
         batch, steps = hidden.shape[:2]
         shape = (batch, steps, -1, self.head_dim)
         query = attention.q_proj(hidden).view(shape).transpose(1, 2)
@@ -67,20 +75,33 @@ class StaticDecoder:
         query, key = self.apply_rope(query, key, cos, sin)
         self.keys[index].index_copy_(2, columns, key)
         self.values[index].index_copy_(2, columns, value)
-        before = self.key_columns[None, :] <= columns[:, None]  # [T, length]: causal
-        visible = (self.valid[:, None, :] & before[None]) | (self.key_columns[None, None, :] == columns[None, :, None])
         out = F.scaled_dot_product_attention(query, self.keys[index], self.values[index], attn_mask=visible[:, None],
                                              scale=attention.scaling, enable_gqa=True)
         return attention.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
 
-    def _forward(self, input_ids, positions, columns) -> torch.Tensor:
-        """Final-norm hidden states [B, T, H] of tokens [B, T] at `positions` [B, T], cache `columns` [T]."""
+    def causal_visibility(self, columns: torch.Tensor) -> torch.Tensor:
+        """[B, T, length]: a query at cache column c sees the valid keys up to c, and itself."""
+        before = self.key_columns[None, :] <= columns[:, None]  # [T, length]
+        return (self.valid[:, None, :] & before[None]) | (self.key_columns[None, None, :] == columns[None, :, None])
+
+    def forward(self, input_ids, positions, columns, visible) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H] of tokens [B, T] at `positions` [B, T], written at
+        cache `columns` [T], each query seeing the keys `visible` [B, T, length] marks; the tap
+        layers' outputs land in `self.features`."""
         hidden = self.decoder.embed_tokens(input_ids)
         cos, sin = self.decoder.rotary_emb(hidden, positions)
+        last = len(self.decoder.layers) - 1
+        recorded = {}
         for index, layer in enumerate(self.decoder.layers):
-            hidden = hidden + self._attention(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin, columns)
+            hidden = hidden + self._attention(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin, columns, visible)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.decoder.norm(hidden)
+            if index in self.tap_layers and index != last:
+                recorded[index] = hidden
+        hidden = self.decoder.norm(hidden)
+        if self.tap_layers:
+            recorded[last] = hidden
+            self.features = torch.cat([recorded[i] for i in self.tap_layers], dim=-1)
+        return hidden
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -89,7 +110,8 @@ class StaticDecoder:
         self.valid.zero_()
         self.valid[:, :width] = valid
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = self._forward(input_ids, positions, self.key_columns[:width])
+        columns = self.key_columns[:width]
+        hidden = self.forward(input_ids, positions, columns, self.causal_visibility(columns))
         self.positions.copy_(valid.sum(-1))
         self.column.fill_(width)
         return self.model.lm_head(hidden[:, -1])
@@ -106,7 +128,7 @@ class StaticDecoder:
         with torch.no_grad():  # not inference_mode: its tensors cannot enter a compiled graph
             columns = self.column.view(1)
             self.valid.index_fill_(1, columns, True)
-            hidden = self._forward(tokens[:, None], self.positions[:, None], columns)
+            hidden = self.forward(tokens[:, None], self.positions[:, None], columns, self.causal_visibility(columns))
             self.positions.add_(1)
             self.column.add_(1)
             return self.model.lm_head(hidden[:, -1])

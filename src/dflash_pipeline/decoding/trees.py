@@ -297,6 +297,31 @@ def ranked_candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, t
     return values - lse, ids
 
 
+def ranked_candidates_on_device(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ranked_candidates` without its one read back (whether a tie straddles the cut): the same
+    log-probs and ids, in the same order, ties at the cut included, with static shapes.
+
+    Each row keeps the tokens above its `width`-th best value and, of those equal to it, the
+    lowest ids that fill the row; a running count places the kept ids in ascending order. Costs a
+    few passes over the vocabulary, where the host version pays them only when a tie straddles.
+    `logits` [..., V] is overwritten when it is float32, as there.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    width = min(width, vocab)
+    cut = logits.topk(width, dim=-1).values[..., -1:]
+    above, at_cut = logits > cut, logits == cut
+    kept = above | (at_cut & (at_cut.cumsum(-1) <= width - above.sum(-1, keepdim=True)))  # exactly `width` per row
+    place = torch.where(kept, kept.cumsum(-1) - 1, width)  # column `width` takes what is not kept, then goes
+    token_ids = torch.arange(vocab, device=logits.device).expand_as(logits)
+    ids = torch.zeros(*logits.shape[:-1], width + 1, dtype=torch.long, device=logits.device).scatter_(-1, place, token_ids)[..., :width]
+    values, order = logits.gather(-1, ids).sort(dim=-1, descending=True, stable=True)  # ids ascending among tied values
+    ids = ids.gather(-1, order)
+    top1 = values[..., :1]
+    lse = logits.sub_(top1).exp_().sum(-1, keepdim=True).log_().add_(top1)
+    return values - lse, ids
+
+
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """The additive attention mask [1, 1, 1 + n, past + 1 + n] of one verify forward over
     [anchor, node 0, ..., node n-1] after `past` cached positions: every row sees the cache and the

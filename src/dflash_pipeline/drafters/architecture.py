@@ -6,7 +6,8 @@ changes and registers itself with `family.register`. The shared mechanics call t
     options          `options_type` (model sizes, in DrafterConfig) and `loss_options_type`
                      (training-only weights), read from `train.options.<name>` with their checks
     layers           `sublayer_wrappers` around attention and MLP, `extra_modules` beside the core
-    drafting         `chain_proposer` (T = 0 and both sampling rules) and `tree_proposer` (DDTree)
+    drafting         `chain_proposer` (T = 0 and both sampling rules) and `tree_proposer` (DDTree);
+                     `chain_on_device`, the chain of the static speculative step
     training         `loss_top_k` and `extra_loss` beside the drafted slots' cross-entropy, and
                      `curve_fields` (what the extra term adds to the training curve)
     scoring          `score_blocks` / `score_one_block` (which drafted slots count as correct, and
@@ -24,10 +25,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from dflash_pipeline.decoding.sampling import Sampling, draw
+from dflash_pipeline.decoding.sampling import Sampling, draw, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.trees import build_draft_tree, ranked_candidates
 from dflash_pipeline.drafters import family
-from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, DrafterConfig, Proposal, draft_block
+from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, DrafterConfig, Proposal, draft_block, draft_logits
 from dflash_pipeline.errors import PipelineError
 
 
@@ -125,6 +126,22 @@ class Architecture:
             return Proposal(ids[picked].tolist(), q)
 
         return propose
+
+    def chain_on_device(self, drafter: DFlashDrafter, head, hidden: torch.Tensor, anchor: torch.Tensor,
+                        sampling: Sampling | None = None, uniforms: torch.Tensor | None = None):
+        """The chain of a block already drafted into `hidden` [n, H] after `anchor` [1], kept on
+        the device (`decoding.static_speculation`): token ids [n] and, under the "ratio" rule,
+        q [n, V] over the full vocabulary. Draws invert each slot's CDF at `uniforms` [n]
+        (`sampling.draw_with_uniforms`), so nothing here reads back or holds a generator."""
+        logits = draft_logits(drafter, head, hidden)
+        if sampling is None or sampling.rule == "match":
+            return drafter.vocab_tokens(logits.argmax(-1)), None
+        columns = sampling_probs(logits, sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        tokens = drafter.vocab_tokens(draw_with_uniforms(columns, uniforms))
+        if not drafter.has_draft_vocab:
+            return tokens, columns
+        q = columns.new_zeros(columns.shape[0], head.lm_head_weight.shape[0])
+        return tokens, q.index_copy_(1, drafter.draft_vocab.to(q.device), columns)
 
     def tree_proposer(self, drafter: DFlashDrafter, head, budget: int):
         """`propose(cache, anchor) -> Proposal` holding the DDTree of the `budget` most probable

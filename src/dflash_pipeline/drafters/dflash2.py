@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_pipeline.decoding.sampling import draw_with_uniforms
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.architecture import Architecture, correct_argmax
 from dflash_pipeline.drafters.core import ArchitectureModule, DFlashDrafter, DraftCache, DrafterConfig, Proposal, draft_hidden, draft_logits
@@ -121,20 +122,22 @@ class CandidateSelector(ArchitectureModule):
         return unary.float() + pair
 
     def walk(self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, *,
-             temperature: float = 0.0, generator: torch.Generator | None = None):
+             temperature: float = 0.0, generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None):
         """The path through the candidates, one slot after another, from each block's anchor token.
 
         hidden [blocks, n, H], unary / candidates [blocks, n, K], anchors [blocks] (token ids).
         Returns (tokens [blocks, n], q [blocks, n, K] or None): at temperature 0 the best candidate
         of each slot given the path so far; above it a draw from softmax(score / T) (with
-        `generator`), and q, those probabilities, for the verification's ratio test.
+        `generator`, or by inverting the CDF at `uniforms` [blocks, n] where given), and q, those
+        probabilities, for the verification's ratio test.
         """
         predecessor, path, q_rows = anchors, [], []
         for slot in range(hidden.shape[1]):
             scores = self.pair_scores(hidden[:, slot], unary[:, slot], candidates[:, slot], predecessor)
             if temperature > 0:
                 q = torch.softmax(scores / temperature, dim=-1)
-                choice = torch.multinomial(q, 1, generator=generator)[:, 0]
+                choice = (torch.multinomial(q, 1, generator=generator)[:, 0] if uniforms is None
+                          else draw_with_uniforms(q, uniforms[:, slot]))
                 q_rows.append(q)
             else:
                 choice = scores.argmax(dim=-1)
@@ -163,13 +166,14 @@ def slot_candidates(logits: torch.Tensor, top_k: int, to_token_ids=None) -> tupl
 
 @torch.no_grad()
 def select_paths(selector: CandidateSelector, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, *,
-                 to_token_ids=None, temperature: float = 0.0, generator: torch.Generator | None = None) -> SelectedPath:
+                 to_token_ids=None, temperature: float = 0.0, generator: torch.Generator | None = None,
+                 uniforms: torch.Tensor | None = None) -> SelectedPath:
     """The selector's drafts from drafted hidden states [blocks, n, H], their logits [blocks, n, V]
     and the blocks' anchor token ids [blocks]: a walk through each slot's top-K, argmax at T = 0,
     sampled (with q) at T > 0."""
     unary, candidates = slot_candidates(logits, selector.top_k, to_token_ids)
     tokens, q = selector.walk(hidden, unary, candidates, anchors.to(candidates.device), temperature=temperature,
-                              generator=generator)
+                              generator=generator, uniforms=uniforms)
     return SelectedPath(tokens=tokens, candidates=candidates, unary=unary, q=q)
 
 
@@ -277,6 +281,18 @@ class DFlash2(Architecture):
             return Proposal(path.tokens[0].tolist(), q)
 
         return propose
+
+    def chain_on_device(self, drafter, head, hidden, anchor, sampling=None, uniforms=None):
+        """`chain_proposer`'s walk on the device (`Architecture.chain_on_device`): q is each slot's
+        draw probabilities over its K candidates, zero elsewhere."""
+        logits = draft_logits(drafter, head, hidden)
+        sampled = sampling is not None and sampling.rule == "ratio"
+        path = select_paths(drafter.candidate_selector, hidden[None], logits[None], anchor.view(1), to_token_ids=drafter.vocab_tokens,
+                            temperature=sampling.temperature if sampled else 0.0, uniforms=uniforms[None] if sampled else None)
+        if not sampled:
+            return path.tokens[0], None
+        q = torch.zeros(path.q.shape[1], head.lm_head_weight.shape[0], device=hidden.device)
+        return path.tokens[0], q.scatter_(1, path.candidates[0], path.q[0].float())
 
     # tree_proposer: the Architecture default, from the head's per-slot logits (the selector walks one path, not a tree)
 

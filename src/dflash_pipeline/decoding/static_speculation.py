@@ -1,0 +1,622 @@
+"""Speculative decoding on static buffers: a whole step drafted, verified and accepted on the device.
+
+`engine.speculative_decode` reads the device about five times per step (the drafted tokens, the
+target's choices, the accepted count), builds a DDTree in Python, grows its caches by
+concatenation and keeps a tree's path with one tensor per layer: on an H200 that made a step cost
+tens of milliseconds of host work. Here every tensor a step touches is preallocated and every
+decision stays on the device:
+
+    StaticDraftCache   the drafter's context keys/values [layers, length, kv heads, head dim],
+                       written at device-side columns; attention masks what lies past the context
+    SpeculativeStep    three phases per step, each with fixed shapes:
+                         draft   the block after the anchor, its chain (`Architecture.chain_on_device`)
+                                 or its DDTree (`trees.build_draft_tree_tensors`)
+                         verify  [anchor, nodes] in one target forward over a static KV cache
+                                 (`StaticDecoder.forward`, tree visibility as a mask), the accepted
+                                 path and the bonus token chosen on the device
+                         extend  the tree's path moved into place in the target cache (one gather
+                                 for all layers), the committed features into the drafter's cache,
+                                 the answer, the counters and the end flag
+    PlainStep          the target alone on the same static cache (evaluate's baseline)
+    static_speculative_decode / static_plain_decode
+                       the loops: the host reads (ended, tokens made) once every `read_every`
+                       steps, and the answer once at the end
+
+A chain is a tree whose node i hangs under node i - 1, so one verify and one acceptance serve
+both. Committing never crops: a position past the committed length is masked, and the next step
+overwrites it. Once the answer has ended, steps still run until the next read, but change nothing
+that is read (`ended` freezes every counter).
+
+Sampling (T > 0, chains) draws by inverting CDFs at uniforms the step takes as an input, filled by
+a seeded device generator before each step (`sampling.draw_with_uniforms`), so no step holds a
+generator and graph capture or compilation sees plain tensors. The draws differ from the host
+loop's, the distributions do not.
+
+On CUDA each phase is captured once as a CUDA graph and replayed (`GraphedPhases`). This part of
+the module has not yet run on a GPU.
+"""
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
+from dflash_pipeline.decoding.static_decoder import StaticDecoder
+from dflash_pipeline.decoding.trees import ANCHOR, build_draft_tree_tensors, ranked_candidates_on_device, tree_attention_visibility
+from dflash_pipeline.devices import bf16_by_default, synchronize
+from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
+
+# How many steps run between two reads of (ended, tokens made) on a GPU, where each read drains the
+# queue of launched work. On a CPU a read costs nothing (the value is computed already), so the loop
+# reads after every step there and never runs a step past the end.
+READ_EVERY = 16
+
+
+def default_read_every(device) -> int:
+    return READ_EVERY if torch.device(device).type == "cuda" else 1
+
+
+def _autocast(device: torch.device, enabled: bool):
+    # Graph capture cannot keep autocast's weight-cast cache: every replay casts afresh.
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled, cache_enabled=False)
+
+
+class StaticDraftCache:
+    """The drafter's context keys/values of one sequence in preallocated tensors."""
+
+    def __init__(self, drafter: DFlashDrafter, *, length: int, device, dtype: torch.dtype):
+        config = drafter.config
+        shape = (len(drafter.layers), length, config.num_key_value_heads, config.head_dim)
+        self.drafter = drafter
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_columns = torch.arange(length, device=device)
+
+    def write(self, features: torch.Tensor, start: torch.Tensor) -> None:
+        """The context keys/values of features [n, N*H] at positions start, start + 1, ... (`start` a
+        device scalar), written at the columns of those positions."""
+        drafter = self.drafter
+        positions = start + torch.arange(features.shape[0], device=features.device)
+        context = drafter.project_context(features)
+        cos, sin = drafter._rope(positions, context.dtype)
+        for index, layer in enumerate(drafter.layers):
+            key, value = layer.self_attn.keys_values(context, cos, sin)
+            self.keys[index].index_copy_(0, positions, key.to(self.keys.dtype))
+            self.values[index].index_copy_(0, positions, value.to(self.values.dtype))
+
+    def hidden(self, head, anchor: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [B-1, H] of the slots after `anchor` [1] at position `start`:
+        `core.draft_hidden` over the static cache (context = the columns before `start`)."""
+        drafter, config = self.drafter, self.drafter.config
+        block = config.block_size
+        device = self.keys.device
+        ids = torch.cat([anchor, torch.full((block - 1,), config.mask_token_id, dtype=torch.long, device=device)])
+        x = head.embed(ids).to(drafter.fc.weight.dtype)
+        rope_block = drafter._rope(start + torch.arange(block, device=device), x.dtype)
+        context = self.key_columns < start
+        if config.sliding_window is not None:
+            context = context & (self.key_columns >= start - config.sliding_window)
+        mask = torch.cat([context[None].expand(block, -1), torch.ones(block, block, dtype=torch.bool, device=device)], dim=1)
+        for index, layer in enumerate(drafter.layers):
+            x = layer(x, None, rope_block, None, mask, cached_kv=(self.keys[index], self.values[index]))
+        return drafter.norm(x)[1:]
+
+
+def stored_features(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
+    """Live target features rounded exactly as the shards store them, so the drafter sees at
+    inference what it saw in training."""
+    from dflash_pipeline.data.shards import decode_features, encode_features
+
+    if feature_dtype == "bf16":  # the shards' bf16 is exactly this rounding; stays on the device
+        return features.to(torch.bfloat16)
+    values, scales = encode_features(features, feature_dtype)
+    return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
+
+
+@dataclass
+class DecodeRun:
+    """One prompt decoded: its answer, times, and each speculative step's size (either loop's)."""
+
+    tokens: list[int]
+    seconds: float
+    prefill_seconds: float
+    steps: list[int] = field(default_factory=list)  # tau of each speculative step (accepted + bonus)
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    drafted: int = 0  # drafted tokens verified (chain tokens or tree nodes), over all steps
+
+
+@dataclass
+class StepRecord:
+    """What the host reads after a decode: the answer and each step's size."""
+
+    tokens: list[int]
+    steps: list[int]  # tokens committed by each step (accepted + bonus)
+    drafted: int  # drafted tokens (chain tokens or real tree nodes) verified, over all steps
+
+
+def accept_greedy(choice: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, depth: int):
+    """The longest drafted path the target's argmax agrees with, on the device.
+
+    choice [1 + n]: the target's argmax after the anchor (row 0) and after each node (row 1 + i);
+    tokens / parents / depths [n]: the draft tree (a chain: parent i - 1, depth i; padding nodes:
+    parent `trees.PADDING`); depth: the most levels a path can have. A node is accepted when its
+    parent is (the anchor always is) and its token is the target's choice after its parent;
+    siblings carry distinct tokens, so the accepted nodes form one path.
+    Returns (accepted count, the path's nodes by depth [depth] (entries past the count are 0),
+    the target's bonus token after the path's end [1]).
+    """
+    after_parent = choice.gather(0, (parents + 1).clamp(min=0))
+    agrees = (tokens == after_parent) & (parents >= ANCHOR)  # padding nodes never
+    accepted = torch.zeros_like(agrees)
+    for _ in range(depth):  # one level per hop
+        accepted = agrees & torch.where(parents >= 0, accepted.gather(0, parents.clamp(min=0)), parents == ANCHOR)
+    count = accepted.sum()
+    nodes = torch.arange(tokens.shape[0], device=tokens.device)
+    by_depth = torch.zeros(depth + 1, dtype=torch.long, device=tokens.device)  # the last entry takes what is not accepted
+    path = by_depth.scatter_(0, torch.where(accepted, depths.clamp(min=0, max=depth), depth), nodes)[:depth]
+    deepest = torch.where(count > 0, path.gather(0, (count - 1).clamp(min=0).view(1)) + 1, 0)
+    return count, path, choice.gather(0, deepest)
+
+
+def accept_sampled(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None, uniforms: torch.Tensor, rule: str):
+    """`sampling.verify_chain` on the device, its randomness the `uniforms` [k + 1] it is given.
+
+    p [k + 1, V]: the target's sampling distribution after the anchor and after each drafted
+    prefix; tokens [k]: the drafted chain; q [k, V]: the drafter's distributions (rule "ratio").
+    "match" compares the target's own draws with the drafted tokens; "ratio" accepts x with
+    probability min(1, p(x) / q(x)) and draws a rejected slot's token from the normalised
+    max(0, p - q). Returns (accepted count, the committed token after them [1]).
+    """
+    k = tokens.shape[0]
+    if rule == "match":
+        draws = draw_with_uniforms(p, uniforms[: k + 1])
+        count = torch.cumprod((draws[:k] == tokens).long(), 0).sum()
+        return count, draws.gather(0, count.view(1))
+    p_token, q_token = p[:k].gather(1, tokens[:, None])[:, 0], q.gather(1, tokens[:, None])[:, 0]
+    count = torch.cumprod((uniforms[:k] * q_token < p_token).long(), 0).sum()  # u < p/q without dividing by a zero q
+    residual = (p[:k] - q).clamp(min=0.0)
+    total = residual.sum(-1, keepdim=True)
+    # total is 0 only where p <= q everywhere, i.e. p == q up to rounding: then p itself
+    rows = torch.cat([torch.where(total > 0, residual / total.clamp(min=torch.finfo(total.dtype).tiny), p[:k]), p[k:]])
+    return count, draw_with_uniforms(rows.index_select(0, count.view(1)), uniforms[k : k + 1])
+
+
+class _Loop:
+    """The bookkeeping both loops share: the answer buffer, counters and the end flag, all on the device."""
+
+    def _allocate_answer(self, max_new_tokens: int, per_step: int, eos_ids: set[int]) -> None:
+        device = self.device
+        # The longest answer this step holds; a prompt's own cap (`prefill`) is a device value, so
+        # one step (and its graphs) serves every cap up to it.
+        self.answer_capacity = self.max_new_tokens = max_new_tokens
+        self.limit = torch.full((), max_new_tokens, dtype=torch.long, device=device)
+        self.answer = torch.zeros(max_new_tokens + per_step + 1, dtype=torch.long, device=device)
+        self.count = torch.zeros((), dtype=torch.long, device=device)  # answer tokens committed
+        self.ended = torch.zeros((), dtype=torch.bool, device=device)
+        self.eos = torch.tensor(sorted(eos_ids) or [-1], dtype=torch.long, device=device)
+        self.step_number = torch.zeros((), dtype=torch.long, device=device)
+        self.step_sizes = torch.zeros(max_new_tokens + READ_EVERY + 1, dtype=torch.long, device=device)
+        self.drafted_sizes = torch.zeros_like(self.step_sizes)
+
+    def _commit(self, committed: torch.Tensor, made: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        """Append `committed` [n] (of which the first `made` count) to the answer unless it has
+        ended; returns how far the sequence advances (0 once ended)."""
+        slots = torch.arange(committed.shape[0], device=self.device)
+        spots = self.count + slots
+        self.answer.index_copy_(0, spots.clamp(max=self.answer.shape[0] - 1), committed)
+        counts = slots < made
+        is_eos = (committed[:, None] == self.eos[None, :]).any(-1)
+        finished = ((is_eos | (spots + 1 >= self.limit)) & counts).any()
+        live = ~self.ended
+        advance = torch.where(live, made, 0)
+        at = self.step_number.clamp(max=self.step_sizes.shape[0] - 1).view(1)
+        self.step_sizes.index_copy_(0, at, advance.view(1))
+        self.drafted_sizes.index_copy_(0, at, torch.where(live, drafted, 0).view(1))
+        self.step_number.add_(1)
+        self.count.add_(advance)
+        self.ended.logical_or_(finished)
+        return advance
+
+    def graph_state(self) -> list[torch.Tensor]:
+        """The counters a warm-up run moves and the next prompt's prefill would not reset."""
+        return [self.count, self.ended, self.step_number]
+
+    def _start_answer(self, first: torch.Tensor, max_new_tokens: int) -> None:
+        """Fresh counters and the first answer token [1] of a prompt capped at `max_new_tokens`."""
+        if max_new_tokens > self.answer_capacity:
+            raise ValueError(f"max_new_tokens {max_new_tokens} exceeds this step's answer capacity {self.answer_capacity}")
+        self.max_new_tokens = max_new_tokens
+        self.limit.fill_(max_new_tokens)
+        for counter in (self.count, self.step_number, self.step_sizes, self.drafted_sizes):
+            counter.zero_()
+        self.answer[0] = first[0]
+        self.count.fill_(1)
+        self.ended.copy_((first == self.eos).any() | (self.limit <= 1))
+
+    def read_state(self) -> tuple[bool, int]:
+        ended, count = torch.stack([self.ended.long(), self.count]).tolist()  # the one read between steps
+        return bool(ended), count
+
+    def record(self) -> StepRecord:
+        count, steps, *rest = torch.cat([self.count.view(1), self.step_number.view(1), self.answer]).tolist()
+        answer = rest[: min(count, self.max_new_tokens)]
+        stop = next((i for i, token in enumerate(answer) if token in self.eos_set), None)
+        answer = answer if stop is None else answer[: stop + 1]
+        sizes = torch.stack([self.step_sizes, self.drafted_sizes]).tolist()
+        steps = min(steps, self.step_sizes.shape[0])
+        made = [size for size in sizes[0][:steps] if size > 0]
+        return StepRecord(tokens=answer, steps=made, drafted=sum(sizes[1][:steps]))
+
+
+class SpeculativeStep(_Loop):
+    """One prompt's speculative decoding state and its three phases (see the module docstring).
+
+    Modes: a chain of `verify_tokens` drafted tokens (default B-1), greedy or sampled under
+    `sampling`'s rule; or, with `tree_budget`, a DDTree of that many nodes (greedy only).
+    """
+
+    def __init__(self, model, drafter: DFlashDrafter, head, *, capacity: int, max_new_tokens: int, eos_ids: set[int],
+                 tree_budget: int | None = None, verify_tokens: int | None = None, sampling: Sampling | None = None,
+                 feature_dtype: str = "bf16", bf16: bool | None = None):
+        if tree_budget is not None and sampling is not None:
+            raise ValueError("tree verification is lossless at T = 0 only: sample with a chain")
+        config = drafter.config
+        slots = config.block_size - 1
+        self.model, self.drafter, self.head = model, drafter, head
+        self.device = next(model.parameters()).device
+        self.bf16 = bf16_by_default(self.device) if bf16 is None else bf16
+        self.tree_budget, self.sampling, self.feature_dtype = tree_budget, sampling, feature_dtype
+        if tree_budget is not None:
+            self.nodes, self.depth = tree_budget, min(slots, tree_budget)
+        else:
+            self.nodes = self.depth = min(verify_tokens or slots, slots)
+        nodes, device = self.nodes, self.device
+        # the prompt, every answer token, and one verify's columns past them
+        self.capacity = capacity
+        length = capacity + max_new_tokens + self.depth + nodes + 2
+        self.target = StaticDecoder(model, batch=1, length=length, tap_layers=tuple(config.target_layer_ids))
+        draft_dtype = torch.bfloat16 if self.bf16 else drafter.fc.weight.dtype
+        self.drafts = StaticDraftCache(drafter, length=length, device=device, dtype=draft_dtype)
+        self._allocate_answer(max_new_tokens, self.depth + 1, eos_ids)
+        self.eos_set = set(eos_ids)
+        self.start = torch.zeros((), dtype=torch.long, device=device)  # the anchor's position
+        self.anchor = torch.zeros(1, dtype=torch.long, device=device)
+        self.uniforms = torch.zeros(2 * nodes + 2, device=device)
+        # the proposal, in buffers the verify phase reads (a chain: node i under node i - 1)
+        chain_parents = torch.arange(nodes, device=device) - 1
+        self.node_tokens = torch.zeros(nodes, dtype=torch.long, device=device)
+        self.node_parents = chain_parents.clone()
+        self.node_depths = torch.arange(nodes, device=device)
+        self.node_count = torch.full((), nodes, dtype=torch.long, device=device)
+        self.visibility = tree_attention_visibility(chain_parents, 0, self.depth)
+        self.q = None
+        if sampling is not None and sampling.rule == "ratio":
+            self.q = torch.zeros(nodes, head.lm_head_weight.shape[0], device=device)
+        # what verify hands to extend
+        self.path = torch.zeros(self.depth, dtype=torch.long, device=device)
+        self.accepted = torch.zeros((), dtype=torch.long, device=device)
+        self.bonus = torch.zeros(1, dtype=torch.long, device=device)
+        self.features = None
+
+    # ------------------------------------------------------------------ per prompt
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int], generator: torch.Generator | None = None, max_new_tokens: int | None = None) -> None:
+        """Start a prompt: its KV and features, the first answer token, fresh counters."""
+        if len(prompt_ids) > self.capacity:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than this step's capacity {self.capacity}")
+        device = self.device
+        ids = torch.tensor([prompt_ids], device=device)
+        logits = self.target.prefill(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        if self.sampling is None:
+            first = logits.argmax(-1, keepdim=True)
+        else:
+            uniform = torch.rand(1, generator=generator, device=device)
+            first = draw_with_uniforms(self._probs(logits[None]), uniform)
+        with _autocast(device, self.bf16):
+            self.drafts.write(stored_features(self.target.features[0], self.feature_dtype), torch.zeros((), dtype=torch.long, device=device))
+        self.start.fill_(len(prompt_ids))
+        self.anchor.copy_(first)
+        self._start_answer(first, max_new_tokens or self.answer_capacity)
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        sampling = self.sampling
+        return sampling_probs(logits, sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+
+    # ------------------------------------------------------------------ the phases
+
+    def draft(self) -> None:
+        drafter, head = self.drafter, self.head
+        with torch.no_grad(), _autocast(self.device, self.bf16):
+            hidden = self.drafts.hidden(head, self.anchor, self.start)
+            if self.tree_budget is not None:
+                logprobs, columns = ranked_candidates_on_device(draft_logits(drafter, head, hidden), self.tree_budget)
+                tree = build_draft_tree_tensors(logprobs, drafter.vocab_tokens(columns), self.tree_budget)
+                self.node_tokens.copy_(tree.tokens)
+                self.node_parents.copy_(tree.parents)
+                self.node_depths.copy_(tree.depths)
+                self.node_count.copy_(tree.count)
+                self.visibility.copy_(tree_attention_visibility(tree.parents, 0, self.depth))
+            else:
+                uniforms = self.uniforms[self.nodes + 1 : 2 * self.nodes + 1]
+                tokens, q = drafter.architecture.chain_on_device(drafter, head, hidden[: self.nodes], self.anchor, self.sampling, uniforms)
+                self.node_tokens.copy_(tokens)
+                if self.q is not None:
+                    self.q.copy_(q)
+
+    def verify(self) -> None:
+        target, nodes, device = self.target, self.nodes, self.device
+        start = self.start
+        with torch.no_grad():
+            tokens = torch.cat([self.anchor, self.node_tokens])
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device), 1 + self.node_depths.clamp(min=0)])
+            columns = start + torch.arange(nodes + 1, device=device)
+            relative = target.key_columns - start
+            new = (relative >= 0) & (relative <= nodes)
+            visible = (target.key_columns < start)[None] | (self.visibility[:, relative.clamp(0, nodes)] & new[None])
+            hidden = target.forward(tokens[None], (start + offsets)[None], columns, visible[None])
+            logits = self.model.lm_head(hidden[0])
+            self.features = target.features[0]
+            if self.sampling is None:
+                self._accept_greedy(logits.argmax(-1))
+            else:
+                self._accept_sampled(self._probs(logits))
+
+    def _accept_greedy(self, choice: torch.Tensor) -> None:
+        count, path, bonus = accept_greedy(choice, self.node_tokens, self.node_parents, self.node_depths, self.depth)
+        self.path.copy_(path)
+        self.bonus.copy_(bonus)
+        self.accepted.copy_(count)
+
+    def _accept_sampled(self, p: torch.Tensor) -> None:
+        count, bonus = accept_sampled(p, self.node_tokens, self.q, self.uniforms[: self.nodes + 1], self.sampling.rule)
+        self.path.copy_(torch.arange(self.depth, device=self.device))
+        self.bonus.copy_(bonus)
+        self.accepted.copy_(count)
+
+    def extend(self) -> None:
+        device, depth, start = self.device, self.depth, self.start
+        with torch.no_grad():
+            count, path = self.accepted, self.path
+            slots = torch.arange(depth + 1, device=device)
+            committed = torch.where(slots == count, self.bonus, torch.cat([self.node_tokens.gather(0, path), self.bonus]))
+            if self.tree_budget is not None:  # the accepted nodes' keys/values to the columns after the anchor, in order
+                target = self.target
+                into = start + 1 + slots[:depth]
+                source = start + 1 + path
+                for cache in (target.keys, target.values):
+                    cache.index_copy_(3, into, cache.index_select(3, source))
+            rows = torch.cat([torch.zeros(1, dtype=torch.long, device=device), 1 + path])  # the anchor and the accepted nodes
+            with _autocast(device, self.bf16):
+                self.drafts.write(stored_features(self.features.index_select(0, rows), self.feature_dtype), start)
+            drafted = self.node_count
+            advance = self._commit(committed, count + 1, drafted)
+            self.start.add_(advance)
+            self.anchor.copy_(torch.where(advance > 0, self.bonus, self.anchor))
+
+    def phases(self):
+        return (self.draft, self.verify, self.extend)
+
+    def graph_state(self) -> list[torch.Tensor]:
+        return super().graph_state() + [self.start, self.anchor]
+
+
+class PlainStep(_Loop):
+    """The target alone over the same static cache, batch 1: evaluate's plain decoding baseline."""
+
+    def __init__(self, model, *, capacity: int, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.sampling = sampling
+        self.capacity = capacity
+        self.target = StaticDecoder(model, batch=1, length=capacity + max_new_tokens + 2)
+        self._allocate_answer(max_new_tokens, 1, eos_ids)
+        self.eos_set = set(eos_ids)
+        self.token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.uniforms = torch.zeros(1, device=self.device)
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: list[int], generator: torch.Generator | None = None, max_new_tokens: int | None = None) -> None:
+        if len(prompt_ids) > self.capacity:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than this step's capacity {self.capacity}")
+        ids = torch.tensor([prompt_ids], device=self.device)
+        logits = self.target.prefill(ids, torch.ones_like(ids, dtype=torch.bool))
+        if self.sampling is not None:
+            self.uniforms.uniform_(generator=generator)
+        self.token.copy_(self._next(logits))
+        self._start_answer(self.token, max_new_tokens or self.answer_capacity)
+
+    def _next(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.sampling is None:
+            return logits.argmax(-1)
+        sampling = self.sampling
+        probs = sampling_probs(logits, sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        return draw_with_uniforms(probs, self.uniforms)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            token = self._next(self.target.step(self.token))
+            advance = self._commit(token, torch.ones((), dtype=torch.long, device=self.device), torch.zeros((), dtype=torch.long, device=self.device))
+            self.token.copy_(torch.where(advance > 0, token, self.token))
+
+    def phases(self):
+        return (self.step,)
+
+    def graph_state(self) -> list[torch.Tensor]:
+        return super().graph_state() + [self.token]
+
+
+class GraphedPhases:
+    """Each phase of a step captured once as a CUDA graph and replayed: a handful of launches per
+    step instead of thousands. The small counters are restored after the warm-up steps (the
+    buffers they index are rewritten before they are read again)."""
+
+    def __init__(self, step, state: list[torch.Tensor]):
+        saved = [tensor.clone() for tensor in state]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graphs: lazy initialisation, kernel choice
+            for _ in range(2):
+                for phase in step.phases():
+                    phase()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graphs = []
+        for phase in step.phases():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                phase()
+            self.graphs.append(graph)
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+
+    def phases(self):
+        return tuple(graph.replay for graph in self.graphs)
+
+
+class PhaseClock:
+    """Seconds spent in each phase over many steps: CUDA events (no wait until `totals`) on a GPU,
+    the wall clock on a CPU (where each phase has finished when its call returns)."""
+
+    def __init__(self, device: torch.device, phases: int):
+        self.cuda = device.type == "cuda"
+        self.phases = phases
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def totals(self) -> list[float]:
+        """Seconds per phase, summed over the steps (the marks of each step: before each phase and after the last)."""
+        totals = [0.0] * self.phases
+        per_step = self.phases + 1
+        for first in range(0, len(self.marks) - per_step + 1, per_step):
+            for phase in range(self.phases):
+                a, b = self.marks[first + phase], self.marks[first + phase + 1]
+                totals[phase] += a.elapsed_time(b) / 1000 if self.cuda else b - a
+        return totals
+
+
+def run_steps(step, *, graphed: "GraphedPhases | None", read_every: int, on_tokens=None) -> list[float]:
+    """Steps until the answer has ended; the host reads (ended, tokens made) once every `read_every`
+    steps, sooner when the length cap could come first (a step commits at least one token).
+    `on_tokens(list)` sees the answer's new tokens at each read. Returns each phase's seconds."""
+    phases = graphed.phases() if graphed is not None else step.phases()
+    clock = PhaseClock(step.device, len(phases))
+    ended, count = step.read_state()
+    shown, stopped = 0, False
+    while True:
+        if on_tokens is not None and count > shown and not stopped:
+            made = step.answer[shown : min(count, step.max_new_tokens)].tolist()
+            stop = next((i for i, token in enumerate(made) if token in step.eos_set), None)
+            stopped = stop is not None
+            on_tokens(made if stop is None else made[: stop + 1])
+            shown = count
+        if ended:
+            return clock.totals()
+        for _ in range(max(1, min(read_every, step.max_new_tokens - count))):
+            if step.sampling is not None:
+                step.uniforms.uniform_(generator=step.generator)
+            clock.mark()
+            for phase in phases:
+                phase()
+                clock.mark()
+        ended, count = step.read_state()
+
+
+# ----------------------------------------------------------------------------- the decode loops
+
+# Steps are kept per owner (the target model for plain decoding, a `StaticSpeculation` for a
+# drafter's mode) and reused across prompts: allocating the caches and capturing the graphs is
+# paid once. Prompt capacity grows in multiples of CAPACITY_STEP.
+CAPACITY_STEP = 256
+_STEPS: "weakref.WeakKeyDictionary" = None
+
+
+def _cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, build):
+    import weakref
+
+    global _STEPS
+    if _STEPS is None:
+        _STEPS = weakref.WeakKeyDictionary()
+    steps = _STEPS.setdefault(owner, {})
+    entry = steps.get(key)
+    if entry is None or entry[0].capacity < prompt_length or entry[0].answer_capacity < max_new_tokens:
+        def rounded(n):
+            return -(-max(n, 1) // CAPACITY_STEP) * CAPACITY_STEP
+
+        old = entry[0] if entry is not None else None
+        step = build(rounded(max(prompt_length, old.capacity if old else 0)), rounded(max(max_new_tokens, old.answer_capacity if old else 0)))
+        graphed = None
+        if step.device.type == "cuda":
+            try:
+                graphed = GraphedPhases(step, step.graph_state())
+            except Exception as error:  # a capture that fails must not stop the decode: run the phases eagerly
+                warnings.warn(f"CUDA graph capture of the decode step failed ({error}); running it eagerly")
+        entry = steps[key] = (step, graphed)
+    return entry
+
+
+def _run(step, graphed, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None, on_tokens, read_every: int | None):
+    device = step.device
+    step.generator = torch.Generator(device=device).manual_seed(sampling.seed) if sampling is not None else None
+    synchronize(device)
+    started = time.perf_counter()
+    step.prefill(prompt_ids, step.generator, max_new_tokens)
+    synchronize(device)
+    prefilled = time.perf_counter()
+    totals = run_steps(step, graphed=graphed, read_every=read_every or default_read_every(device), on_tokens=on_tokens)
+    record = step.record()
+    seconds = time.perf_counter() - started
+    run = DecodeRun(tokens=record.tokens, seconds=seconds, prefill_seconds=prefilled - started, steps=record.steps, drafted=record.drafted)
+    if len(totals) == 3:  # draft, verify, extend: extending the drafter's context counts as drafting, as in the host loop
+        run.draft_seconds, run.verify_seconds = totals[0] + totals[2], totals[1]
+    return run
+
+
+@dataclass(frozen=True, eq=False)
+class StaticSpeculation:
+    """One drafter's decoding mode on the static step: a chain of `verify_tokens` (None: B-1), or a
+    DDTree of `tree_budget` nodes. Whether and how a chain samples is each decode's `sampling`."""
+
+    drafter: DFlashDrafter
+    head: object
+    tree_budget: int | None = None
+    verify_tokens: int | None = None
+
+    @torch.inference_mode(False)
+    def decode(self, model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], feature_dtype: str = "bf16",
+               bf16: bool | None = None, sampling: Sampling | None = None, on_tokens=None, read_every: int | None = None):
+        """`engine.speculative_decode` of one prompt on the static step (a `DecodeRun`): greedy, or
+        a sampled chain under `sampling` (its rule, temperature and seed)."""
+        sampling_key = None if sampling is None else (sampling.temperature, sampling.rule, sampling.top_k, sampling.top_p)
+        key = (id(model), tuple(sorted(eos_ids)), feature_dtype, bf16, sampling_key)
+
+        def build(capacity, answer_capacity):
+            return SpeculativeStep(model, self.drafter, self.head, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids,
+                                   tree_budget=self.tree_budget, verify_tokens=self.verify_tokens, sampling=sampling,
+                                   feature_dtype=feature_dtype, bf16=bf16)
+
+        step, graphed = _cached_step(self, key, len(prompt_ids), max_new_tokens, build)
+        return _run(step, graphed, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
+
+
+@torch.inference_mode(False)
+def static_plain_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
+                        on_tokens=None, read_every: int | None = None):
+    """`engine.greedy_decode` (or sampled) of one prompt on the static cache, batch 1 (a `DecodeRun`)."""
+    sampling_key = None if sampling is None else (sampling.temperature, sampling.top_k, sampling.top_p)
+    key = (tuple(sorted(eos_ids)), sampling_key)
+
+    def build(capacity, answer_capacity):
+        return PlainStep(model, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids, sampling=sampling)
+
+    step, graphed = _cached_step(model, key, len(prompt_ids), max_new_tokens, build)
+    return _run(step, graphed, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)

@@ -1,0 +1,232 @@
+"""The speculative step on static buffers (issue #28) on a CPU: token for token plain greedy
+decoding, the same steps as the host loop, nothing read back inside a step, one compiled graph
+per phase over 64 steps, and sampling that keeps the target's distribution.
+
+An oracle drafter makes acceptance happen on a random tiny target: its logits put the target's
+true next token at rank 0, at rank 1 (behind a decoy) or nowhere near the top, by a fixed table
+over answer positions, so chains stop part-way and DDTrees accept paths through second-ranked
+nodes, whose keys/values must then move into place.
+"""
+
+import pytest
+import torch
+
+import dflash_pipeline.decoding.static_speculation as static
+from dflash_pipeline.decoding import engine
+from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms
+from dflash_pipeline.decoding.static_speculation import StaticSpeculation, accept_greedy, static_plain_decode
+from dflash_pipeline.decoding.trees import PADDING, ranked_candidates, ranked_candidates_on_device
+from test_step_contract import DeviceReads
+
+MAX_NEW = 48
+
+
+class Oracle:
+    """Draft logits from a table over answer positions: row j scores the answer token j."""
+
+    def __init__(self, prompt_length: int, answer: list[int], vocab: int, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        rows = len(answer) + 8
+        self.table = torch.rand(rows, vocab, generator=generator)  # noise below 1
+        ranks = torch.randint(0, 3, (rows,), generator=generator)  # 0: top, 1: behind a decoy, 2: lost in the noise
+        for j, token in enumerate(answer + [answer[-1]] * 8):
+            decoy = (token + 1 + j) % vocab
+            if ranks[j] == 0:
+                self.table[j, token] = 20.0
+            elif ranks[j] == 1:
+                self.table[j, decoy], self.table[j, token] = 20.0, 19.5
+        self.prompt_length = prompt_length
+        self.position = None  # the anchor's position: a device tensor (static path) or an int (host path)
+
+    def logits(self, slots: int) -> torch.Tensor:
+        rows = self.position + 1 + torch.arange(slots) - self.prompt_length
+        return self.table[rows.clamp(0, self.table.shape[0] - 1)]
+
+
+@pytest.fixture
+def oracle(tiny_target, monkeypatch):
+    """Patch both paths' draft logits with the oracle (answer = plain greedy decoding of the prompt)."""
+    import dflash_pipeline.drafters.architecture as architecture
+
+    model, tap, head, drafter, prompt = tiny_target
+    reference = engine.greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    table = Oracle(len(prompt), reference.tokens, model.config.vocab_size)
+    hidden = static.StaticDraftCache.hidden
+
+    def static_hidden(self, head, anchor, start):
+        table.position = start
+        return hidden(self, head, anchor, start)
+
+    def host_block(drafter, head, cache, anchor):
+        table.position = cache.length
+        return table.logits(drafter.config.block_size - 1)
+
+    def oracle_logits(drafter, head, hidden):
+        return table.logits(hidden.shape[0])
+
+    monkeypatch.setattr(static.StaticDraftCache, "hidden", static_hidden)
+    monkeypatch.setattr(static, "draft_logits", oracle_logits)
+    monkeypatch.setattr(architecture, "draft_logits", oracle_logits)
+    monkeypatch.setattr(architecture, "draft_block", host_block)
+    return reference
+
+
+MODES = [dict(), dict(verify_tokens=2), dict(tree_budget=3), dict(tree_budget=8)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["chain", "chain-2", "tree-3", "tree-8"])
+def test_static_speculation_equals_plain_greedy_and_the_host_loop(tiny_target, oracle, mode):
+    model, tap, head, drafter, prompt = tiny_target
+    run = StaticSpeculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    assert run.tokens == oracle.tokens
+    if "tree_budget" in mode:
+        propose = engine.tree_proposer(drafter, head, mode["tree_budget"])
+    else:
+        propose = engine.drafter_proposer(drafter, head)
+        if "verify_tokens" in mode:
+            propose = engine.verified_prefix(propose, mode["verify_tokens"])
+    host = engine.speculative_decode(model, tap, drafter, propose, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    assert host.tokens == run.tokens
+    assert run.steps == host.steps and run.drafted == host.drafted  # the same trees, the same accepted paths
+    assert max(run.steps) >= 3 and min(run.steps) == 1  # acceptance happened, and rejection
+
+
+def test_a_tree_accepts_paths_through_second_ranked_nodes(tiny_target, oracle, monkeypatch):
+    """The accepted path is not always a prefix of the node order: keep-path must move keys."""
+    model, tap, head, drafter, prompt = tiny_target
+    moved = []
+    accept = static.accept_greedy
+
+    def watching(choice, tokens, parents, depths, depth):
+        count, path, bonus = accept(choice, tokens, parents, depths, depth)
+        moved.append(bool((path[: int(count)] != torch.arange(int(count))).any()))
+        return count, path, bonus
+
+    monkeypatch.setattr(static, "accept_greedy", watching)
+    run = StaticSpeculation(drafter, head, tree_budget=8).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    assert run.tokens == oracle.tokens and any(moved)
+
+
+def test_plain_static_decoding_equals_transformers(tiny_target):
+    model, tap, head, drafter, prompt = tiny_target
+    for eos in ({2}, {-5}):
+        reference = engine.greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos)
+        streamed = []
+        run = static_plain_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos, on_tokens=streamed.extend, read_every=5)
+        assert run.tokens == reference.tokens == streamed
+
+
+def test_an_eos_inside_a_block_ends_the_answer_there(tiny_target, oracle):
+    """A frequent answer token made EOS: the answer stops at its first occurrence, even mid-block,
+    and the steps after the end (until the read) change nothing."""
+    model, tap, head, drafter, prompt = tiny_target
+    frequent = max(set(oracle.tokens[1:]), key=oracle.tokens.count)
+    expected = engine.greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent})
+    streamed = []
+    run = StaticSpeculation(drafter, head).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent}, read_every=16,
+                                                  on_tokens=streamed.extend)
+    assert run.tokens == expected.tokens == streamed and run.tokens[-1] == frequent
+    assert sum(run.steps) >= len(run.tokens) - 1
+
+
+def test_accept_greedy_walks_the_tree_and_skips_padding():
+    # tree: node 0 (depth 0) and node 1 (its sibling), node 2 under node 1, node 3 under node 2, node 4 padding
+    tokens = torch.tensor([5, 6, 7, 8, 9])
+    parents = torch.tensor([-1, -1, 1, 2, PADDING])
+    depths = torch.tensor([0, 0, 1, 2, -1])
+    choice = torch.tensor([6, 0, 7, 8, 4, 0])  # after anchor: 6 (node 1), after node 1: 7 (node 2), after node 2: 8 (node 3), after node 3: 4
+    count, path, bonus = accept_greedy(choice, tokens, parents, depths, 3)
+    assert int(count) == 3 and path.tolist() == [1, 2, 3] and bonus.tolist() == [4]
+    choice[0] = 9  # the padding node's token: nothing is accepted
+    count, path, bonus = accept_greedy(choice, tokens, parents, depths, 3)
+    assert int(count) == 0 and bonus.tolist() == [9]
+
+
+def test_device_ranked_candidates_equal_the_host_ones_ties_included():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        vocab = int(torch.randint(2, 50, (1,), generator=generator))
+        logits = torch.randint(-2, 2, (3, vocab), generator=generator).float() if trial % 2 else torch.randn(3, vocab, generator=generator)
+        width = int(torch.randint(1, vocab + 2, (1,), generator=generator))
+        host, device = ranked_candidates(logits.clone(), width), ranked_candidates_on_device(logits.clone(), width)
+        assert torch.equal(host[1], device[1]) and torch.equal(host[0], device[0])
+
+
+def test_draws_from_uniforms_follow_the_distribution_and_never_take_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    uniforms = torch.rand(20000, generator=torch.Generator().manual_seed(3))
+    draws = draw_with_uniforms(probs.expand(20000, -1), uniforms)
+    counts = torch.bincount(draws, minlength=6).double() / 20000
+    assert counts[[0, 2, 5]].sum() == 0 and torch.allclose(counts, probs.double(), atol=0.015)
+    assert draw_with_uniforms(probs, torch.tensor(1.0 - 2 ** -24)).item() == 4  # the top of [0, 1): the last token with mass
+
+
+def _step(tiny_target, mode, sampling=None):
+    model, tap, head, drafter, prompt = tiny_target
+    step = static.SpeculativeStep(model, drafter, head, capacity=64, max_new_tokens=200, eos_ids={-5}, sampling=sampling, **mode)
+    step.generator = torch.Generator().manual_seed(0)
+    step.prefill(prompt, step.generator)
+    return step
+
+
+SAMPLED = [(dict(), None), (dict(tree_budget=6), None), (dict(), Sampling(0.8, rule="ratio", top_k=50)), (dict(), Sampling(1.0, rule="match"))]
+
+
+@pytest.mark.parametrize("mode,sampling", SAMPLED, ids=["chain", "tree", "ratio", "match"])
+def test_a_step_reads_nothing_back(tiny_target, mode, sampling):
+    step = _step(tiny_target, mode, sampling)
+    with DeviceReads() as reads:
+        for _ in range(6):
+            if sampling is not None:
+                step.uniforms.uniform_(generator=step.generator)
+            for phase in step.phases():
+                phase()
+    assert reads.calls == []
+
+
+def test_the_loop_reads_once_every_read_interval(tiny_target):
+    model, tap, head, drafter, prompt = tiny_target
+    mode = StaticSpeculation(drafter, head)
+    mode.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-5})  # builds the step (allocation reads nothing either)
+    prefill = static.SpeculativeStep.prefill
+    reads = DeviceReads()
+
+    def quiet(self, *args):
+        reads.paused += 1
+        try:
+            return prefill(self, *args)
+        finally:
+            reads.paused -= 1
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(static.SpeculativeStep, "prefill", quiet)
+        with reads:
+            run = mode.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-5}, read_every=16)
+    steps = len(run.steps)
+    # the read before the first step, one per 16 steps (the last round cut to what the cap may need), and the record's two
+    assert reads.calls.count("tolist") <= 1 + -(-steps // 16) + 2 + 1 and set(reads.calls) == {"tolist"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,sampling", SAMPLED[:3], ids=["chain", "tree", "ratio"])
+def test_every_phase_compiles_whole_and_never_recompiles_over_64_steps(tiny_target, mode, sampling):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    eager, compiled = _step(tiny_target, mode, sampling), _step(tiny_target, mode, sampling)
+    torch._dynamo.reset()
+    counters.clear()
+    phases = [torch.compile(phase, fullgraph=True, dynamic=False, backend="aot_eager") for phase in compiled.phases()]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(64):
+            if sampling is not None:
+                eager.uniforms.uniform_(generator=eager.generator)
+                compiled.uniforms.copy_(eager.uniforms)
+            for phase in eager.phases():
+                phase()
+            for phase in phases:
+                phase()
+            assert torch.equal(eager.count, compiled.count) and torch.equal(eager.anchor, compiled.anchor)
+    assert torch.equal(eager.answer, compiled.answer)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 3
