@@ -30,7 +30,7 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
     offline_by_default()
     from dflash_pipeline.config import load_params
     from dflash_pipeline.evaluate.report import summary_table, write_outputs
-    from dflash_pipeline.evaluate.run import run_evaluate
+    from dflash_pipeline.evaluate.run import describe_best_mode, run_evaluate
     from dflash_pipeline.stats import format_interval
     from dflash_pipeline.target.load import TargetInfo
 
@@ -49,6 +49,8 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
         line += (f"; end-to-end tau {chain.tau.mean}, speedup {chain.speedup} (break-even tau on this machine {chain.break_even_tau}), "
                  f"lossless rate {chain.lossless_rate}")
     click.echo(line)
+    if decoding is not None and decoding.best is not None:
+        click.echo(f"evaluate: chosen {chosen.name}: {describe_best_mode(decoding.best)} on {decoding.best.machine}")
     if decoding is not None and (decoding.trees or decoding.sampled):
         trees = [f"{budget}: tau {run.tau.mean}, speedup {run.speedup}, verify cost {run.verify_cost_steps} steps"
                  for budget, run in decoding.trees.items()]

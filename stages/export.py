@@ -3,7 +3,9 @@
     python stages/export.py --params params.yaml --best data/eval/best.json --out data/export/drafter
 
 The folder loads unchanged in z-lab/dflash (`DFlashDraftModel.from_pretrained`), SGLang
-(`--speculative-algorithm DFLASH --speculative-draft-model-path data/export/drafter`) and vLLM.
+(`--speculative-algorithm DFLASH --speculative-draft-model-path data/export/drafter`) and vLLM. Its
+provenance file also records the decoding mode evaluate measured fastest for the checkpoint
+(best.json's `best_mode`), which `dflash-pipeline generate` decodes with at T = 0.
 """
 
 from pathlib import Path
@@ -34,8 +36,12 @@ def main(params_path, best_json, out_dir):
     if best.get("kind") != "checkpoint":
         raise PipelineError(f"{best_json}: the chosen drafter is a {best.get('kind')!r}, not a checkpoint of this run; nothing to export")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    folder = export_checkpoint(Path(best["path"]), out_dir, dtype=dtype)
-    click.echo(f"export: {best['name']} (teacher-forced tau {format_interval(best['tau'], best['tau_ci95'], digits=4)}) -> {folder} "
+    best_mode = best.get("best_mode")  # absent in a best.json written before evaluate recorded it; null when nothing was decoded
+    if best_mode is not None and not isinstance(best_mode, dict):
+        raise PipelineError(f"{best_json}: best_mode is {type(best_mode).__name__}, expected a mapping (evaluate's best decoding mode)")
+    folder = export_checkpoint(Path(best["path"]), out_dir, dtype=dtype, best_mode=best_mode)
+    mode = f"; best mode {best_mode.get('mode') or 'none'}, speedup {best_mode.get('speedup')}" if best_mode else ""
+    click.echo(f"export: {best['name']} (teacher-forced tau {format_interval(best['tau'], best['tau_ci95'], digits=4)}{mode}) -> {folder} "
                f"({config.dtype})")
 
 

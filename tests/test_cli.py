@@ -450,3 +450,129 @@ def test_generate_streams_the_answer_and_at_t0_equals_plain_decoding(tiny, tiny_
     assert_one_line_error(invoke("generate", "hi", "--target", tiny_qwen3_dir, "--drafter", tiny.checkpoint),
                           "checkpoint.json: target_fingerprint")
     assert_one_line_error(invoke("generate", "hi", "--target", tiny.target_json, "--drafter", tiny.val), "a shard folder, not a drafter")
+
+
+# ----------------------------------------------------------------------------- generate: evaluate's best mode
+
+EPYC = "cpu on AMD EPYC 7B13, 2 CPUs"
+
+
+def tree4_record(**changes) -> dict:
+    """best.json's `best_mode` of a drafter whose DDTree of 4 paid and whose chain did not (the issue's EPYC)."""
+    return {"mode": "tree4", "speedup": 1.08, "tau": 1.81, "tau_ci95": 0.2, "lossless_rate": 1.0, "verify_tokens": None, "tree_budget": 4,
+            "speedups": {"chain": 0.97, "tree4": 1.08, "tree8": 1.02}, "refused": {}, "machine": EPYC, **changes}
+
+
+def pipeline_run(root: Path, checkpoint: Path | None = None, **best) -> Path:
+    """A pipeline's data/ layout: data/checkpoints/step_000004 (a copy of `checkpoint`, else an empty
+    folder) and evaluate's data/eval/best.json choosing it by the relative path the stage writes."""
+    step = root / "data" / "checkpoints" / "step_000004"
+    if checkpoint is not None:
+        shutil.copytree(checkpoint, step)
+    else:
+        step.mkdir(parents=True)
+    (root / "data" / "eval").mkdir(parents=True)
+    record = {"name": "step_000004", "kind": "checkpoint", "step": 4, "path": "data/checkpoints/step_000004", "tau": 1.5, "tau_ci95": 0.1,
+              "chosen_by": "teacher-forced tau", **best}
+    (root / "data" / "eval" / "best.json").write_text(json.dumps(record))
+    return step
+
+
+def generate_mode(folder: Path, kind: str = "checkpoint", *, explicit=(), tree_budget=None, verify_tokens=None, machine=EPYC):
+    from dflash_pipeline.cli import choose_generate_mode
+
+    return choose_generate_mode(drafter_dir=folder, kind=kind, block_size=16, tree_budget=tree_budget, verify_tokens=verify_tokens,
+                                explicit=set(explicit), machine=machine)
+
+
+def test_generate_takes_the_mode_evaluate_measured_fastest_and_says_why(tmp_path):
+    step = pipeline_run(tmp_path, best_mode=tree4_record())
+    budget, verify, line = generate_mode(step)
+    assert (budget, verify) == (4, None)
+    assert line == (f"mode: DDTree budget 4: evaluate measured 1.08x vs chain 0.97x, tree8 1.02x on {EPYC} "
+                    f"({tmp_path / 'data' / 'eval' / 'best.json'}: best_mode)")
+    assert "another mode may pay better" in generate_mode(step, machine="cuda on an H200")[2]  # measured elsewhere: said so
+    # where the chain won, at the verify length evaluate planned
+    chain = tree4_record(mode="chain", speedup=1.15, tree_budget=None, verify_tokens=2, speedups={"chain": 1.15, "tree4": 0.95})
+    shutil.rmtree(tmp_path / "data")
+    step = pipeline_run(tmp_path, best_mode=chain)
+    budget, verify, line = generate_mode(step)
+    assert (budget, verify) == (None, 2)
+    assert line.startswith("mode: chain verifying 2 of 15 drafted tokens: evaluate measured 1.15x vs tree4 0.95x")
+
+
+def test_generate_flags_override_the_evaluated_mode(tmp_path):
+    step = pipeline_run(tmp_path, best_mode=tree4_record())
+    assert generate_mode(step, explicit={"verify_tokens"}, verify_tokens=3) == (None, 3, "mode: chain verifying 3 of 15 drafted tokens "
+                                                                                         "(--verify-tokens)")
+    assert generate_mode(step, explicit={"tree_budget"}, tree_budget=8) == (8, None, "mode: DDTree budget 8 (--tree-budget)")
+
+
+def test_generate_without_an_evaluate_record_keeps_the_whole_chain_and_says_so(tmp_path):
+    alone = tmp_path / "alone" / "checkpoints" / "step_000004"
+    alone.mkdir(parents=True)
+    assert generate_mode(alone) == (None, None, f"mode: chain of all 15 drafted tokens (no evaluate record of this drafter: "
+                                                f"no {tmp_path / 'alone' / 'eval' / 'best.json'} beside this checkpoint's run)")
+    other = pipeline_run(tmp_path / "other", best_mode=tree4_record()).with_name("step_000002")
+    other.mkdir()
+    assert generate_mode(other)[:2] == (None, None) and "chose 'step_000004', not this checkpoint" in generate_mode(other)[2]
+    old = pipeline_run(tmp_path / "old")  # a best.json of before the best mode
+    assert generate_mode(old)[:2] == (None, None) and "records no best_mode" in generate_mode(old)[2]
+    lossy = pipeline_run(tmp_path / "lossy", best_mode=tree4_record(mode=None, speedup=None, tree_budget=None))
+    assert generate_mode(lossy) == (None, None, f"mode: chain of all 15 drafted tokens (evaluate found no lossless greedy mode: "
+                                                f"{tmp_path / 'lossy' / 'data' / 'eval' / 'best.json'}: best_mode)")
+    undecoded = pipeline_run(tmp_path / "undecoded", best_mode=None)  # evaluate ran without --prompts / num_prompts 0
+    assert generate_mode(undecoded)[:2] == (None, None) and "evaluate decoded nothing end to end" in generate_mode(undecoded)[2]
+    published = tmp_path / "published"
+    published.mkdir()
+    assert "has no dflash_pipeline.json" in generate_mode(published, "drafter")[2]
+
+
+@pytest.mark.parametrize("changes, fragment", [({"mode": "beam"}, "best_mode.mode is 'beam'"),
+                                               ({"tree_budget": "4"}, "best_mode.tree_budget is '4', expected an integer >= 1"),
+                                               ({"tree_budget": 8}, "best_mode: mode 'tree4' and tree_budget 8 disagree"),
+                                               ({"speedups": [1.0]}, "best_mode.speedups is list")])
+def test_a_malformed_evaluate_record_is_one_error_naming_the_file_and_key(tmp_path, changes, fragment):
+    from dflash_pipeline.errors import PipelineError
+
+    step = pipeline_run(tmp_path, best_mode=tree4_record(**changes))
+    with pytest.raises(PipelineError, match=re.escape(f"{tmp_path / 'data' / 'eval' / 'best.json'}: {fragment}")):
+        generate_mode(step)
+
+
+@pytest.mark.slow  # four generate runs and an export: ~30 s on two cores
+def test_generate_decodes_with_the_evaluated_mode_of_a_checkpoint_and_of_its_export(tiny, tmp_path):
+    import importlib.util
+
+    step = pipeline_run(tmp_path, tiny.checkpoint, best_mode=tree4_record(tree_budget=3, mode="tree3", speedups={"chain": 0.97, "tree3": 1.08}))
+    result = invoke("generate", "Explain recursion.", "--target", tiny.target_json, "--drafter", step, "--max-new-tokens", 16, "--compare",
+                    "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].startswith("mode: DDTree budget 3: evaluate measured 1.08x vs chain 0.97x"), lines[0]
+    assert lines[-2].startswith("speculative (greedy, tree of 3): 16 tokens") and lines[-1].endswith("identical answers"), lines
+    flagged = invoke("generate", "Explain recursion.", "--target", tiny.target_json, "--drafter", step, "--max-new-tokens", 16,
+                     "--verify-tokens", 1, "--device", "cpu")
+    assert flagged.stdout.startswith("mode: chain verifying 1 of 3 drafted tokens (--verify-tokens)\n"), flagged.stdout
+    assert "speculative (greedy): 16 tokens" in flagged.stdout
+    sampled = invoke("generate", "hi", "--target", tiny.target_json, "--drafter", step, "--max-new-tokens", 4, "--temperature", 1,
+                     "--device", "cpu")
+    assert "mode:" not in sampled.stdout and "speculative (T=1.0, ratio rule)" in sampled.stdout  # a greedy measurement: T = 0 only
+
+    # the export stage carries best.json's mode into the exported folder's provenance file
+    spec = importlib.util.spec_from_file_location("export_stage", REPO_ROOT / "stages" / "export.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+    best_json = tmp_path / "data" / "eval" / "best.json"
+    best_json.write_text(json.dumps({**json.loads(best_json.read_text()), "path": str(step)}))
+    exported = CliRunner().invoke(stage.main, ["--params", str(REPO_ROOT / "params.yaml"), "--best", str(best_json),
+                                               "--out", str(tmp_path / "drafter")], catch_exceptions=False)
+    assert exported.exit_code == 0 and "best mode tree3, speedup 1.08" in exported.stdout, exported.output
+    assert json.loads((tmp_path / "drafter" / PROVENANCE_FILE).read_text())["source"]["best_mode"]["tree_budget"] == 3
+    assert "best decoding mode: tree3, speedup 1.08" in invoke("show", tmp_path / "drafter").stdout
+    result = invoke("generate", "Explain recursion.", "--target", tiny.target_json, "--drafter", tmp_path / "drafter", "--max-new-tokens",
+                    16, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"mode: DDTree budget 3: evaluate measured 1.08x vs chain 0.97x on {EPYC} "
+                                    f"({tmp_path / 'drafter' / PROVENANCE_FILE}: source.best_mode)")
+    assert "speculative (greedy, tree of 3): 16 tokens" in result.stdout

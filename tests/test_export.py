@@ -147,6 +147,39 @@ def test_export_checkpoint_records_where_it_came_from(tmp_path):
     assert info["provenance"]["source"]["step"] == 12
     assert info["provenance"]["source"]["target_fingerprint"] == "abc123"
     assert torch.equal(loaded.fc.weight, drafter.fc.weight)
+    assert "best_mode" not in info["provenance"]["source"]  # nothing measured, nothing claimed
+
+
+def test_the_export_stage_records_the_mode_evaluate_measured_fastest(tmp_path):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from conftest import REPO_ROOT
+    from dflash_pipeline.drafters.checkpoints import save_checkpoint
+
+    step_dir = save_checkpoint(tmp_path / "checkpoints", step=12, drafter=random_drafter(tiny_config()),
+                               record={"target_fingerprint": "abc123"}, metrics={})
+    best_mode = {"mode": "tree4", "speedup": 1.08, "tree_budget": 4, "verify_tokens": None, "speedups": {"chain": 0.97, "tree4": 1.08}}
+    best_json = tmp_path / "best.json"
+    spec = importlib.util.spec_from_file_location("export_stage", REPO_ROOT / "stages" / "export.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+
+    def export(best: dict, out: str):
+        best_json.write_text(json.dumps({"name": "step_000012", "kind": "checkpoint", "path": str(step_dir), "tau": 1.5, "tau_ci95": 0.1,
+                                         **best}))
+        return CliRunner().invoke(stage.main, ["--params", str(REPO_ROOT / "params.yaml"), "--best", str(best_json),
+                                               "--out", str(tmp_path / out)], catch_exceptions=False)
+
+    result = export({"best_mode": best_mode}, "drafter")
+    assert result.exit_code == 0 and "best mode tree4, speedup 1.08" in result.stdout, result.output
+    _, info = load_dflash_drafter(tmp_path / "drafter")
+    assert info["provenance"]["source"]["best_mode"] == best_mode and info["provenance"]["source"]["step"] == 12
+    result = export({}, "older")  # a best.json of before the best mode: exported as before
+    assert result.exit_code == 0 and "best_mode" not in load_dflash_drafter(tmp_path / "older")[1]["provenance"]["source"]
+    result = export({"best_mode": "tree4"}, "bad")
+    assert result.exit_code == 1 and f"{best_json}: best_mode is str, expected a mapping" in result.output
 
 
 def test_a_flipped_bit_is_refused_in_the_checkpoint_it_exports_and_in_the_export(tmp_path):

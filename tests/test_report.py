@@ -1,5 +1,6 @@
 """Reported files: the typed evaluation record written by its one function (`to_metrics`), with
-every figure the old flat keys held, strict JSON whatever the numbers, and structured mismatches."""
+every figure the old flat keys held, strict JSON whatever the numbers, structured mismatches, and
+the best greedy decoding mode as the headline speedup."""
 
 import json
 import re
@@ -11,8 +12,8 @@ import pytest
 from conftest import REPO_ROOT
 from dflash_pipeline.decoding.engine import DecodeRun, EndToEndPrompt, VerifyPlan, summarize_end_to_end
 from dflash_pipeline.evaluate.record import CandidateRecord, Evaluation, Interval, Mismatch
-from dflash_pipeline.evaluate.report import to_metrics, write_outputs
-from dflash_pipeline.evaluate.run import EvaluationResult, choose_and_pair, summarize_decoding
+from dflash_pipeline.evaluate.report import summary_table, to_metrics, write_outputs
+from dflash_pipeline.evaluate.run import EvaluationResult, choose_and_pair, choose_decoding_mode, summarize_decoding
 from dflash_pipeline.evaluate.scoring import BlockScores, summarize_blocks
 from dflash_pipeline.files import write_metrics
 
@@ -211,7 +212,7 @@ def test_eval_json_is_the_headline_of_details_json_under_the_same_paths():
 
     full = dict(leaves(details))
     assert all(full[path] == value for path, value in leaves(headline))
-    assert sorted(headline) == ["baselines", "chain", "chosen", "sampled", "teacher_forced", "tree"]
+    assert sorted(headline) == ["baselines", "best_mode", "chain", "chosen", "sampled", "teacher_forced", "tree"]
     assert len(list(leaves(headline))) < len(full) / 4
     assert headline["tree"]["8"] == {"streak": 1.597, "tau": 3.5, "speedup": 1.2192}
     assert set(details["extras"]) >= {"tau_argmax", "tau_oracle", "tau_selector_gain", "slot1_topk_recall"}
@@ -264,3 +265,96 @@ def test_an_evaluation_of_baselines_alone_chooses_the_first_and_decodes_nothing(
     assert metrics["chosen"] == {"name": "step_000100", "step": None} and "chain" not in metrics and "sampled" not in metrics
     assert metrics["tree"]["8"] == {"streak": evaluation.chosen_record.teacher_forced.ddtree_streak[8].mean}
     assert evaluation.chosen_record.decoding is None  # nothing decoded: no end-to-end sections
+
+
+# ----------------------------------------------------------------------------- the best greedy mode
+
+
+def with_speedups(decoding, chain: float | None, **trees: float | None):
+    """The fixture's chain and trees with these speedups (trees by "tree<budget>"), all else kept."""
+    return (replace(decoding.chain, speedup=chain),
+            {budget: replace(run, speedup=trees.get(f"tree{budget}", run.speedup)) for budget, run in decoding.trees.items()})
+
+
+def test_the_best_mode_is_the_fastest_lossless_greedy_mode():
+    evaluation, _, _ = fixed_evaluation()
+    decoding = evaluation.candidate("zlab").decoding  # every greedy mode of the baseline is lossless
+    # a CPU where the chain is break-even and a small tree pays (the issue's 2-core EPYC)
+    chain, trees = with_speedups(decoding, 0.97, tree4=1.08, tree8=1.02)
+    best = choose_decoding_mode(chain, trees, machine="cpu on EPYC")
+    assert (best.mode, best.speedup, best.tree_budget, best.verify_tokens) == ("tree4", 1.08, 4, None)
+    assert (best.tau, best.lossless_rate, best.machine) == (trees[4].tau, 1.0, "cpu on EPYC")
+    assert best.speedups == {"chain": 0.97, "tree4": 1.08, "tree8": 1.02} and best.refused == {}
+    # where the chain pays best it wins, at its verify length
+    chain, trees = with_speedups(decoding, 1.4, tree4=1.29, tree8=1.2)
+    best = choose_decoding_mode(chain, trees)
+    assert (best.mode, best.speedup, best.verify_tokens, best.tree_budget) == ("chain", 1.4, 4, None)
+    # equal speedups: the chain, then the smaller tree (the same speed for less verify work)
+    assert choose_decoding_mode(*with_speedups(decoding, 1.1, tree4=1.1, tree8=1.1)).mode == "chain"
+    assert choose_decoding_mode(*with_speedups(decoding, 1.0, tree4=1.1, tree8=1.1)).mode == "tree4"
+    # a mode without a measured speedup cannot win; with none measured nothing does
+    best = choose_decoding_mode(*with_speedups(decoding, None, tree4=1.05, tree8=None))
+    assert best.mode == "tree4" and best.refused == {"chain": "no speedup measured", "tree8": "no speedup measured"}
+    nothing = choose_decoding_mode(*with_speedups(decoding, None, tree4=None, tree8=None))
+    assert (nothing.mode, nothing.speedup, nothing.tau) == (None, None, None) and set(nothing.refused) == {"chain", "tree4", "tree8"}
+
+
+def test_a_lossy_mode_never_wins_however_fast():
+    evaluation, _, _ = fixed_evaluation()
+    decoding = evaluation.chosen_record.decoding  # its chain parts at a near-tie on p1, its tree of 8 on p2 for real
+    chain, trees = with_speedups(decoding, 1.0, tree4=1.1, tree8=3.0)
+    best = choose_decoding_mode(chain, trees)
+    assert best.mode == "tree4" and best.refused == {"tree8": "1 answer(s) part from plain greedy decoding not at a near-tie"}
+    # near-tie partings only, but more of them than the chain's: not rounding alone, refused too
+    tied = replace(trees[8], mismatches=[Mismatch("p1", 3, True), Mismatch("p2", 3, True)], lossless_rate=0.3333)
+    best = choose_decoding_mode(chain, {4: trees[4], 8: tied})
+    assert best.mode == "tree4" and best.refused == {"tree8": "lossless rate 0.3333 below the chain's 0.6667"}
+    # as many near-tie partings as the chain: rounding, as the chain meets it; it may win
+    tied = replace(tied, mismatches=[Mismatch("p1", 3, True)], lossless_rate=0.6667)
+    assert choose_decoding_mode(chain, {4: trees[4], 8: tied}).mode == "tree8"
+    # the chain itself parting for real is refused: a tree that stays lossless wins though slower
+    lossy_chain = replace(chain, speedup=2.0, mismatches=[Mismatch("p1", 3, False)])
+    best = choose_decoding_mode(lossy_chain, trees)
+    assert best.mode == "tree4" and set(best.refused) == {"chain", "tree8"}
+
+
+def test_the_headline_speedup_is_the_best_modes_and_names_it(tmp_path):
+    evaluation, blocks, greedy = fixed_evaluation()
+    chosen = evaluation.chosen_record
+    chain, trees = with_speedups(chosen.decoding, 0.97, tree4=1.08)
+    decoding = replace(chosen.decoding, chain=chain, trees=trees, best=choose_decoding_mode(chain, trees, machine="cpu on EPYC"))
+    evaluation = replace(evaluation, candidates=[replace(c, decoding=decoding) if c.name == chosen.name else c for c in evaluation.candidates])
+    headline = to_metrics(evaluation)
+    assert headline["best_mode"] == {"mode": "tree4", "speedup": 1.08, "tau": trees[4].tau.mean, "lossless_rate": 1.0}
+    assert headline["chain"]["speedup"] == 0.97 and headline["tree"]["4"]["speedup"] == 1.08  # each mode's own figures stay
+    assert headline["baselines"]["zlab"]["best_mode"] == {"mode": "chain", "speedup": 1.4}
+    details = to_metrics(evaluation, detail=True)["best_mode"]
+    assert details["speedups"] == {"chain": 0.97, "tree4": 1.08, "tree8": 1.2192} and set(details["refused"]) == {"tree8"}
+    assert (details["tree_budget"], details["verify_tokens"]) == (4, None)
+
+    result = EvaluationResult(record=evaluation, blocks=blocks, categories=CATEGORIES, prompt_ids=["a", "b", "c", "d"], e2e_results=greedy)
+    write_outputs(result, out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json", plots_dir=tmp_path / "plots")
+    assert strict(tmp_path / "eval.json")["best_mode"]["mode"] == "tree4"
+    best = strict(tmp_path / "eval" / "best.json")["best_mode"]  # what the export stage passes on to `generate`
+    assert (best["mode"], best["tree_budget"], best["speedups"]["chain"], best["machine"]) == ("tree4", 4, 0.97, "cpu on EPYC")
+    import pandas as pd
+
+    rows = pd.read_csv(tmp_path / "eval" / "comparison.csv").set_index("name")
+    assert rows.loc["step_000200", "best_mode.mode"] == "tree4" and rows.loc["zlab", "best_mode.speedup"] == 1.4
+    table = summary_table(evaluation).splitlines()
+    assert table[0].split()[-2:] == ["best_mode", "best_speedup"]
+    assert re.search(r" tree4 +1\.08", next(line for line in table if "step_000200" in line))
+
+
+def test_no_qualifying_mode_is_written_as_null_and_the_chain_keeps_its_figures(tmp_path):
+    evaluation, blocks, greedy = fixed_evaluation()
+    chosen = evaluation.chosen_record
+    chain, trees = with_speedups(chosen.decoding, None, tree4=None, tree8=None)
+    decoding = replace(chosen.decoding, chain=chain, trees=trees, best=choose_decoding_mode(chain, trees))
+    evaluation = replace(evaluation, candidates=[replace(c, decoding=decoding) if c.name == chosen.name else c for c in evaluation.candidates])
+    result = EvaluationResult(record=evaluation, blocks=blocks, categories=CATEGORIES, prompt_ids=["a", "b", "c", "d"], e2e_results=greedy)
+    write_outputs(result, out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json", plots_dir=tmp_path / "plots")
+    headline = strict(tmp_path / "eval.json")
+    assert headline["best_mode"] == {"mode": None, "speedup": None, "tau": None, "lossless_rate": None}
+    assert headline["chain"]["tau"] == chain.tau.mean
+    assert strict(tmp_path / "eval" / "best.json")["best_mode"]["mode"] is None

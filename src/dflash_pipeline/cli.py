@@ -16,12 +16,14 @@ config dataclasses' defaults (config.py), which equal params.yaml's. Every failu
 included, is one line `error: ...` on stderr and exit status 1.
 """
 
+import re
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from dflash_pipeline import __version__
 from dflash_pipeline.config import EvaluateConfig, GenerateConfig, TargetConfig
@@ -405,6 +407,10 @@ def drafter_contract(folder: Path) -> list[tuple[str, object]]:
              ("target fingerprint", source.get("target_fingerprint") or "unknown (not exported by this pipeline)")]
     if source.get("checkpoint"):
         lines.append(("exported from", f"{source['checkpoint']} (step {source.get('step')})"))
+    if isinstance(source.get("best_mode"), dict):  # what `generate` decodes with at T = 0
+        best = source["best_mode"]
+        lines.append(("best decoding mode", f"{best.get('mode') or 'none lossless'}, speedup {best.get('speedup')} on {best.get('machine')} "
+                                            "(measured by evaluate)"))
     lines += drafter_lines(config)
     recorded = (provenance or {}).get("files") or {}
     checked = f"; sha256 of {len(recorded)} file(s) match {PROVENANCE_FILE}" if recorded else ""
@@ -497,6 +503,126 @@ def export(checkpoint, out, dtype):
 # ----------------------------------------------------------------------------- generate
 
 
+@dataclass(frozen=True)
+class EvaluatedMode:
+    """The greedy decoding mode evaluate measured fastest for one drafter (its `best_mode`), read
+    back for `generate`, with the file and key it was read from."""
+
+    mode: str  # "chain" | "tree<budget>"
+    tree_budget: int | None
+    verify_tokens: int | None  # the chain's verify length; None: all B-1
+    speedup: float | None
+    speedups: dict  # every greedy mode evaluate measured, by name
+    machine: str
+    where: str  # "data/eval/best.json: best_mode"
+
+
+def evaluate_record_of(drafter_dir: Path, kind: str) -> tuple[bool, object, str]:
+    """(True, evaluate's `best_mode` section for this drafter, the file and key it is in), or
+    (False, None, why there is none).
+
+    An export of the pipeline carries it in its provenance file (`source.best_mode`, copied there
+    by the export stage from best.json). A checkpoint of a pipeline run (data/checkpoints/step_N)
+    has the evaluate stage's data/eval/best.json two folders up, which counts only when it chose
+    this very folder. A published drafter has no record.
+    """
+    from dflash_pipeline.drafters.serving import PROVENANCE_FILE
+    from dflash_pipeline.files import read_json
+
+    if kind == "drafter":
+        path = drafter_dir / PROVENANCE_FILE
+        if not path.is_file():
+            return False, None, f"{drafter_dir} has no {PROVENANCE_FILE} (not exported by this pipeline)"
+        provenance = read_json(path, missing="unreadable")
+        source = (provenance.get("source") or {}) if isinstance(provenance, dict) else None
+        if not isinstance(source, dict):
+            raise PipelineError(f"{path}: source is not a mapping (a damaged provenance file)")
+        if "best_mode" not in source:
+            return False, None, f"{path} records no source.best_mode (exported by `dflash-pipeline export`, or before evaluate recorded one)"
+        return True, source["best_mode"], f"{path}: source.best_mode"
+    best_json = drafter_dir.parent.parent / "eval" / "best.json"
+    if not best_json.is_file():
+        return False, None, f"no {best_json} beside this checkpoint's run"
+    best = read_json(best_json, missing="unreadable")
+    if not isinstance(best, dict) or not isinstance(best.get("path"), str):
+        raise PipelineError(f"{best_json}: no path of the chosen drafter (not evaluate's best.json)")
+    chosen = Path(best["path"])
+    chosen = chosen if chosen.is_absolute() else best_json.parent.parent.parent / chosen  # the stage writes it relative to the repository
+    if chosen.resolve() != drafter_dir.resolve():
+        return False, None, f"{best_json} chose {best.get('name')!r}, not this checkpoint"
+    if "best_mode" not in best:
+        return False, None, f"{best_json} records no best_mode (written before evaluate recorded one)"
+    return True, best["best_mode"], f"{best_json}: best_mode"
+
+
+def parse_evaluated_mode(section, where: str) -> EvaluatedMode | None:
+    """`best_mode` as evaluate wrote it (`evaluate.report.best_mode_figures`), checked; None when
+    evaluate found no lossless greedy mode. A malformed record is one error naming the file and key."""
+    if not isinstance(section, dict):
+        raise PipelineError(f"{where} is {type(section).__name__}, expected a mapping")
+    mode = section.get("mode")
+    if mode is None:
+        return None
+    if not isinstance(mode, str) or not re.fullmatch(r"chain|tree[1-9][0-9]*", mode):
+        raise PipelineError(f"{where}.mode is {mode!r}, expected 'chain' or 'tree<budget>'")
+
+    def whole(key: str, required: bool) -> int | None:
+        value = section.get(key)
+        if value is None and not required:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PipelineError(f"{where}.{key} is {value!r}, expected an integer >= 1")
+        return value
+
+    tree_budget = whole("tree_budget", required=True) if mode != "chain" else None
+    if tree_budget is not None and mode != f"tree{tree_budget}":
+        raise PipelineError(f"{where}: mode {mode!r} and tree_budget {tree_budget} disagree")
+    speedups = section.get("speedups") or {}
+    if not isinstance(speedups, dict):
+        raise PipelineError(f"{where}.speedups is {type(speedups).__name__}, expected a mapping of mode to speedup")
+    return EvaluatedMode(mode=mode, tree_budget=tree_budget, verify_tokens=whole("verify_tokens", required=False) if mode == "chain" else None,
+                         speedup=section.get("speedup"), speedups=speedups, machine=str(section.get("machine") or "an unrecorded machine"),
+                         where=where)
+
+
+def describe_mode(tree_budget: int | None, verify_tokens: int | None, block_size: int) -> str:
+    if tree_budget is not None:
+        return f"DDTree budget {tree_budget}"
+    drafted = block_size - 1
+    if verify_tokens is None or verify_tokens >= drafted:
+        return f"chain of all {drafted} drafted tokens"
+    return f"chain verifying {verify_tokens} of {drafted} drafted tokens"
+
+
+def choose_generate_mode(*, drafter_dir: Path, kind: str, block_size: int, tree_budget: int | None, verify_tokens: int | None,
+                         explicit: set[str], machine: str) -> tuple[int | None, int | None, str]:
+    """(tree budget, verify tokens, the line saying which mode and why) for greedy `generate`:
+    the options named in `explicit` as given; else the mode evaluate measured fastest for this
+    drafter (`evaluate_record_of`); else today's default, a chain of all B-1 drafted tokens."""
+    if explicit:
+        flags = " and ".join(f"--{name.replace('_', '-')}" for name in sorted(explicit))
+        return tree_budget, verify_tokens, f"mode: {describe_mode(tree_budget, verify_tokens, block_size)} ({flags})"
+    found, section, where = evaluate_record_of(drafter_dir, kind)
+    default = f"mode: {describe_mode(None, verify_tokens, block_size)}"
+    if not found:
+        return None, verify_tokens, f"{default} (no evaluate record of this drafter: {where})"
+    if section is None:
+        return None, verify_tokens, f"{default} (evaluate decoded nothing end to end: {where} is null)"
+    evaluated = parse_evaluated_mode(section, where)
+    if evaluated is None:
+        return None, verify_tokens, f"{default} (evaluate found no lossless greedy mode: {where})"
+
+    def rate(speedup) -> str:
+        return f"{speedup:.2f}x" if isinstance(speedup, (int, float)) else "n/a"
+
+    others = ", ".join(f"{name} {rate(value)}" for name, value in evaluated.speedups.items() if name != evaluated.mode)
+    line = (f"mode: {describe_mode(evaluated.tree_budget, evaluated.verify_tokens, block_size)}: evaluate measured {rate(evaluated.speedup)}"
+            f"{' vs ' + others if others else ''} on {evaluated.machine} ({evaluated.where})")
+    if evaluated.machine != machine:
+        line += f"; this is {machine}, where another mode may pay better (--tree-budget, --verify-tokens)"
+    return evaluated.tree_budget, evaluated.verify_tokens, line
+
+
 @main.command("generate", short_help="Answer a prompt with speculative decoding, streaming.")
 @click.argument("prompt")
 @click.option("--target", "target_path", required=True, type=click.Path(exists=True, path_type=Path),
@@ -513,9 +639,11 @@ def export(checkpoint, out, dtype):
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=GENERATE_DEFAULTS.max_new_tokens, show_default=True,
               help="Answer length cap (params.yaml generate.max_new_tokens).")
 @click.option("--verify-tokens", type=click.IntRange(min=1), default=DEFAULTS.verify_tokens,
-              help="Drafted tokens verified per step (default: all B-1).")
+              help="Drafted tokens verified per chain step (default at T = 0: the mode evaluate measured fastest for this drafter; "
+                   "else all B-1).")
 @click.option("--tree-budget", type=click.IntRange(min=1), default=None,
-              help="Verify a DDTree of this many drafted nodes per step instead of a chain (greedy only).")
+              help="Verify a DDTree of this many drafted nodes per step instead of a chain (greedy only; default at T = 0: "
+                   "the mode evaluate measured fastest).")
 @click.option("--compare", is_flag=True, help="Also decode without the drafter and report both.")
 @device_option
 @one_line_errors
@@ -524,6 +652,12 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     """Answer PROMPT (one user turn, in the target's chat template) with the drafter, streaming the
     text, then one line: tokens, tokens per step, tokens/s. --compare adds plain decoding of the
     same prompt; at T = 0 the two answers must be identical.
+
+    At T = 0 without --tree-budget or --verify-tokens, the mode is the one evaluate measured fastest
+    for this drafter (the chain at its verify length or a DDTree budget): recorded in an export's
+    dflash_pipeline.json by the export stage, or, for a checkpoint of a pipeline run, in its
+    data/eval/best.json. Without a record it is a chain of all B-1 drafted tokens. The first line
+    says which mode and why.
 
     \b
     Example:
@@ -545,6 +679,16 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     (candidate,) = load_candidates(checkpoint_folders=[drafter_dir] if kind == "checkpoint" else [],
                                    baseline_dirs=[drafter_dir] if kind == "drafter" else [], target=target, layer_ids=None, device=device)
     sampling = Sampling(temperature, rule=rule, top_k=top_k, top_p=top_p, seed=seed) if temperature > 0 else None
+    if sampling is None:  # the mode that pays best is a greedy measurement: evaluate's, unless the options choose
+        from dflash_pipeline.devices import machine_description
+
+        context = click.get_current_context()
+        explicit = {name for name in ("tree_budget", "verify_tokens")
+                    if context.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)}
+        tree_budget, verify_tokens, line = choose_generate_mode(
+            drafter_dir=drafter_dir, kind=kind, block_size=candidate.drafter.config.block_size, tree_budget=tree_budget,
+            verify_tokens=verify_tokens, explicit=explicit, machine=f"{device} on {machine_description()}")
+        click.echo(line)
     session = open_session(target, candidate.drafter, device=device)
     prompt_ids = render_prompt(session.tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
                                system_prompt=GENERATE_DEFAULTS.system_prompt, enable_thinking=GENERATE_DEFAULTS.enable_thinking)

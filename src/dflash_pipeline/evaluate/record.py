@@ -5,8 +5,9 @@ last moment.
     TeacherForced    one drafter's teacher-forced figures (`scoring.summarize_blocks`)
     Mismatch         a prompt whose speculative answer parts from plain greedy decoding, and where
     EndToEnd         one decoding mode of one drafter on the real target (`engine.summarize_end_to_end`)
+    BestMode         the lossless greedy mode (the chain or a tree budget) that measured fastest
     Decoding         a drafter's modes: the greedy chain, greedy trees by node budget, sampled
-                     chains by temperature
+                     chains by temperature, and the best of the greedy ones
     Paired           a τ difference to the chosen checkpoint, paired over prompts
     CandidateRecord  one drafter under evaluation: a checkpoint of this run or a baseline
     Evaluation       every candidate, which checkpoint was chosen, and the scoring time
@@ -93,12 +94,31 @@ class EndToEnd:
 
 
 @dataclass(frozen=True)
+class BestMode:
+    """The greedy decoding mode that paid best end to end on the machine evaluate ran on: the chain
+    at its verify length or a DDTree budget, among those that stayed lossless (`evaluate.run.
+    choose_decoding_mode`). Which one pays depends on the machine (a verify forward of many tokens
+    is dear on a CPU), so the record names the machine it was measured on."""
+
+    mode: str | None  # "chain" or "tree<budget>"; None when no greedy mode qualified
+    speedup: float | None
+    tau: Interval | None
+    lossless_rate: float | None
+    verify_tokens: int | None  # the chain's verify length, when the chain won
+    tree_budget: int | None  # the tree's node budget, when a tree won
+    speedups: dict[str, float | None] = field(default_factory=dict)  # every greedy mode measured, by mode name
+    refused: dict[str, str] = field(default_factory=dict)  # mode name -> why it could not win
+    machine: str = ""  # the device and machine in words ("cpu on AMD EPYC 7B13, 2 CPUs")
+
+
+@dataclass(frozen=True)
 class Decoding:
     """A drafter decoded end to end: greedy chain, greedy trees and sampled chains."""
 
     chain: EndToEnd
     trees: dict[int, EndToEnd] = field(default_factory=dict)  # node budget -> greedy tree decoding
     sampled: dict[float, EndToEnd] = field(default_factory=dict)  # temperature > 0 -> sampled chain decoding
+    best: BestMode | None = None  # the fastest lossless greedy mode of chain and trees
 
 
 @dataclass(frozen=True)

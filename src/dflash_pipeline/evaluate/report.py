@@ -7,7 +7,9 @@
     summary_table  the printed comparison, one row per drafter
 
 eval.json holds the chosen checkpoint's headline figures (and a short entry per baseline) so that
-`dvc metrics show` stays a table a person can scan; details.json holds every figure under the same
+`dvc metrics show` stays a table a person can scan; its headline speedup is `best_mode.speedup`,
+that of the fastest lossless greedy mode, named in `best_mode.mode` ("chain" or "tree<budget>"),
+beside the chain's own `chain.speedup`; details.json holds every figure under the same
 paths, plus per slot, per category, the cost and time split of each decoding mode, the structured
 mismatches, the architecture's extras and every candidate in full. Nothing reads the keys back:
 readers take the record, or the JSON by section.
@@ -19,16 +21,18 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_pipeline.evaluate.record import CandidateRecord, EndToEnd, Evaluation, Interval
+from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, EndToEnd, Evaluation, Interval
 from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_metrics
 from dflash_pipeline.stats import format_interval
 
 # What eval.json keeps of each section (details.json keeps everything, under the same paths).
 HEADLINE = {"teacher_forced": ("tau", "tau_ci95", "blocks", "prompts"),
+            "best_mode": ("mode", "speedup", "tau", "lossless_rate"),  # the speedup to quote, and which mode it is
             "chain": ("tau", "tau_ci95", "speedup", "lossless_rate", "near_tie_mismatches", "break_even_tau", "verify_tokens"),
             "tree": ("streak", "tau", "speedup"),  # per node budget
             "sampled": ("tau", "speedup")}  # per temperature
-BASELINE_HEADLINE = {"teacher_forced": ("tau", "tau_ci95"), "vs_chosen": ("tau", "tau_ci95"), "chain": ("tau", "speedup", "lossless_rate")}
+BASELINE_HEADLINE = {"teacher_forced": ("tau", "tau_ci95"), "vs_chosen": ("tau", "tau_ci95"), "chain": ("tau", "speedup", "lossless_rate"),
+                     "best_mode": ("mode", "speedup")}
 PER_KEY = {"tree", "sampled"}  # sections keyed by node budget or temperature
 
 
@@ -38,6 +42,10 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
         chosen          name and step
         teacher_forced  τ and its 95% interval, blocks and prompts; (detail) τ per block,
                         seconds, per slot acceptance (unconditional, conditional), τ per category
+        best_mode       the fastest lossless greedy mode: its name ("chain", "tree<budget>"), speedup,
+                        τ per step, lossless rate; (detail) τ's interval, its verify length or tree
+                        budget, every greedy mode's speedup, the modes refused and why
+                        (`run.choose_decoding_mode`), the machine measured on
         tree.<budget>   the teacher-forced DDTree streak; end to end: τ per step, speedup, lossless
                         rate, mismatches and costs of greedy tree decoding
         chain           greedy chain decoding end to end: τ per step, speedup, lossless rate,
@@ -46,7 +54,8 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
                         as {prompt_id, position, near_tie}, the verify-length plan
         sampled.<T>     sampled chain decoding at temperature T: τ per step, speedup, acceptance
         extras          (detail) the drafter architecture's own figures
-        baselines.<name> teacher-forced τ, τ paired against the chosen, chain τ, speedup, lossless rate
+        baselines.<name> teacher-forced τ, τ paired against the chosen, chain τ, speedup, lossless rate,
+                        the best mode and its speedup
 
     eval.json is `detail=False`: the `HEADLINE` figures of each section. `detail=True` adds every
     figure, the total teacher-forced seconds and `candidates` (each drafter in full, with `vs_chosen`).
@@ -83,6 +92,8 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
             for budget, run in candidate.decoding.trees.items():
                 result["tree"].setdefault(str(budget), {}).update(decoded(run))
             result["sampled"] = {str(float(temperature)): decoded(run) for temperature, run in candidate.decoding.sampled.items()}
+            if candidate.decoding.best is not None:
+                result["best_mode"] = best_mode_figures(candidate.decoding.best)
         if scored.extras:
             result["extras"] = dict(scored.extras)
         return result
@@ -109,6 +120,15 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
         metrics["candidates"] = [{"name": c.name, "kind": c.kind, "step": c.step, "path": c.path, "block_size": c.block_size,
                                   "num_layers": c.num_layers, **sections(c)} for c in evaluation.candidates]
     return metrics
+
+
+def best_mode_figures(best: BestMode) -> dict:
+    """The best greedy mode as JSON: the section `best_mode` of eval.json and details.json, and of
+    best.json, where `dflash-pipeline generate` reads it (through the export's provenance file)."""
+    tau, tau_ci95 = (best.tau.mean, best.tau.ci95) if best.tau is not None else (None, None)
+    return {"mode": best.mode, "speedup": best.speedup, "tau": tau, "tau_ci95": tau_ci95, "lossless_rate": best.lossless_rate,
+            "verify_tokens": best.verify_tokens, "tree_budget": best.tree_budget, "speedups": dict(best.speedups),
+            "refused": dict(best.refused), "machine": best.machine}
 
 
 def _flat_row(figures: dict, prefix: str = "") -> dict:
@@ -154,9 +174,11 @@ def write_outputs(result, *, out_dir: Path, metrics_path: Path, plots_dir: Path)
                   for r in result.e2e_results]
     write_metrics(out_dir / "e2e.json", {"prompts": e2e_detail})
     best = evaluation.chosen_record
+    best_mode = best.decoding.best if best.decoding is not None else None
     write_metrics(out_dir / "best.json", {"name": best.name, "kind": best.kind, "step": best.step, "path": best.path,
                                           "tau": best.teacher_forced.tau.mean, "tau_ci95": best.teacher_forced.tau.ci95,
-                                          "chosen_by": "teacher-forced tau"})
+                                          "chosen_by": "teacher-forced tau",
+                                          "best_mode": best_mode_figures(best_mode) if best_mode is not None else None})
     metrics = to_metrics(evaluation)
     write_metrics(metrics_path, metrics)
     write_plots(evaluation, plots_dir)
@@ -235,5 +257,7 @@ def summary_table(evaluation: Evaluation) -> str:
         if c.decoding is not None:
             chain = c.decoding.chain
             row.update(e2e_tau=chain.tau.mean, speedup=chain.speedup, lossless_rate=chain.lossless_rate, break_even_tau=chain.break_even_tau)
+            if c.decoding.best is not None:  # the fastest lossless greedy mode, which may be the chain itself
+                row.update(best_mode=c.decoding.best.mode or "none", best_speedup=c.decoding.best.speedup)
         rows.append(row)
     return pd.DataFrame(rows, columns=list(dict.fromkeys(key for row in rows for key in row))).to_string(index=False)

@@ -11,9 +11,11 @@ Two measurements (definitions in `scoring` and `engine`, and in the README):
    chains at each T > 0; τ per step, tokens/s of both measured alternately in one process, the
    time split and the break-even τ of this machine.
 
-The best checkpoint is the one with the highest teacher-forced τ (not the lowest loss). This
-module picks and checks the candidates and runs the two measurements into the typed record
-(`record.Evaluation`); `evaluate.report` writes the files.
+The best checkpoint is the one with the highest teacher-forced τ (not the lowest loss). Of each
+decoded drafter's lossless greedy modes (the chain at its verify length, each tree budget) the
+fastest measured is its best mode (`choose_decoding_mode`): what the headline speedup reports and
+what `dflash-pipeline generate` decodes with. This module picks and checks the candidates and runs
+the two measurements into the typed record (`record.Evaluation`); `evaluate.report` writes the files.
 """
 
 import time
@@ -23,13 +25,13 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
-from dflash_pipeline.devices import autocast, bf16_by_default
+from dflash_pipeline.devices import autocast, bf16_by_default, machine_description
 from dflash_pipeline.decoding.engine import EndToEndPrompt, VerifyPlan, end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end
 from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.decoding.sampling import Sampling
-from dflash_pipeline.evaluate.record import CandidateRecord, Decoding, Evaluation, Paired
+from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, Decoding, EndToEnd, Evaluation, Paired
 from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.data.shards import open_split
@@ -197,20 +199,70 @@ def choose_and_pair(records: list[CandidateRecord], blocks: dict[str, BlockScore
     return Evaluation(candidates=paired, chosen=chosen, teacher_forced_seconds=teacher_forced_seconds)
 
 
+def choose_decoding_mode(chain: EndToEnd, trees: dict[int, EndToEnd], *, machine: str = "") -> BestMode:
+    """The greedy mode with the highest measured speedup: the chain (at its verify length) or a tree
+    of one of `trees`' node budgets.
+
+    Only a lossless mode may win, as evaluate records it (`engine.summarize_end_to_end`): a mode with
+    a mismatch that is not a near-tie (a real difference from plain greedy decoding) is refused, and
+    so is a tree whose lossless rate is below the chain's (near-tie partings are rounding, which
+    every mode meets alike; more of them than the chain has is not evidence of rounding alone). A
+    mode without a measured speedup cannot win either. On a tie the chain wins, then the smaller
+    tree: the same speed for less verify work. When nothing qualifies, `mode` is None and `refused`
+    says why for each mode.
+    """
+    modes = [("chain", chain)] + [(f"tree{budget}", run) for budget, run in sorted(trees.items())]
+    refused = {}
+    for name, run in modes:
+        real_mismatches = len(run.mismatches) - run.near_tie_mismatches
+        if run.speedup is None:
+            refused[name] = "no speedup measured"
+        elif run.lossless_rate is None:
+            refused[name] = "not checked against plain greedy decoding"
+        elif real_mismatches:
+            refused[name] = f"{real_mismatches} answer(s) part from plain greedy decoding not at a near-tie"
+        elif chain.lossless_rate is not None and run.lossless_rate < chain.lossless_rate:
+            refused[name] = f"lossless rate {run.lossless_rate} below the chain's {chain.lossless_rate}"
+    speedups = {name: run.speedup for name, run in modes}
+    eligible = [(name, run) for name, run in modes if name not in refused]
+    if not eligible:
+        return BestMode(mode=None, speedup=None, tau=None, lossless_rate=None, verify_tokens=None, tree_budget=None, speedups=speedups,
+                        refused=refused, machine=machine)
+    name, run = max(eligible, key=lambda mode: mode[1].speedup)  # max keeps the first of equals: the chain, then smaller trees
+    budget = None if name == "chain" else int(name[len("tree"):])
+    return BestMode(mode=name, speedup=run.speedup, tau=run.tau, lossless_rate=run.lossless_rate,
+                    verify_tokens=run.verify_tokens if budget is None else None, tree_budget=budget, speedups=speedups, refused=refused,
+                    machine=machine)
+
+
+def describe_best_mode(best: BestMode | None) -> str:
+    """One line: the best greedy mode, its speedup against the other modes', and what was refused."""
+    if best is None:
+        return "no best mode recorded"
+    others = ", ".join(f"{name} {speedup}" for name, speedup in best.speedups.items() if name != best.mode)
+    refused = "; refused " + ", ".join(f"{name} ({why})" for name, why in best.refused.items()) if best.refused else ""
+    if best.mode is None:
+        return f"no greedy mode qualifies as the best{refused}"
+    return f"best mode {best.mode}, speedup {best.speedup} (vs {others or 'no other mode'}){refused}"
+
+
 def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[float, list[EndToEndPrompt]], *, tree_budgets: list[int],
-                       verify_tokens: int, plan: VerifyPlan | None = None) -> Decoding:
+                       verify_tokens: int, plan: VerifyPlan | None = None, machine: str = "") -> Decoding:
     """One drafter's end-to-end record from the runs of `decode_end_to_end`: its greedy chain
     (`name`, verifying `verify_tokens` per step, as `plan` chose when it did), its greedy trees
-    (`name/tree<budget>`) and its sampled chains (`name` in `sampled[temperature]`; samples part
-    from plain sampling by design, so they carry no lossless check)."""
+    (`name/tree<budget>`), its sampled chains (`name` in `sampled[temperature]`; samples part
+    from plain sampling by design, so they carry no lossless check) and the best greedy mode
+    (`choose_decoding_mode`, measured on `machine`)."""
     chain = replace(summarize_end_to_end(greedy, name), verify_tokens=verify_tokens)
     if plan is not None:
         figures = plan.as_dict()
         chain = replace(chain, forward_cost_steps=figures["forward_cost_steps"],
                         expected_tokens_per_step_cost=figures["expected_tokens_per_step_cost"])
-    return Decoding(chain=chain, trees={budget: summarize_end_to_end(greedy, f"{name}/tree{budget}") for budget in tree_budgets},
+    trees = {budget: summarize_end_to_end(greedy, f"{name}/tree{budget}") for budget in tree_budgets}
+    return Decoding(chain=chain, trees=trees,
                     sampled={temperature: replace(summarize_end_to_end(runs, name), lossless_rate=None, mismatches=[])
-                             for temperature, runs in sorted(sampled.items())})
+                             for temperature, runs in sorted(sampled.items())},
+                    best=choose_decoding_mode(chain, trees, machine=machine))
 
 
 def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, target, layer_ids: list[int], feature_dtype: str,
@@ -254,8 +306,9 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         sampling = Sampling(temperature, rule=config.sampling_rule, seed=config.seed)
         sampled[temperature] = end_to_end(model, tap, chains(sampling), prompts, sampling=sampling, **common)
     session.close()
+    machine = f"{device} on {machine_description()}"  # which mode pays depends on it
     return {name: summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
-                                     plan=plans.get(name)) for name in names}, results
+                                     plan=plans.get(name), machine=machine) for name in names}, results
 
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
@@ -297,6 +350,7 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
                                                           config=config, device=device, acceptance=acceptance)
         result.record = replace(evaluation, candidates=[replace(c, decoding=decodings.get(c.name, c.decoding)) for c in evaluation.candidates])
         for name, decoding in decodings.items():
+            log(f"evaluate: {name}: {describe_best_mode(decoding.best)}")
             modes = [("", decoding.chain)] + [(f" (tree {budget})", tree) for budget, tree in decoding.trees.items()]
             for mode, run in modes:
                 for mismatch in run.mismatches:
