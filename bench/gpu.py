@@ -253,7 +253,51 @@ def train_and_evaluate(work: Path, target, train_config, evaluate_config, *, dev
             "e2e_tau": chain.tau.mean if chain else None, "e2e_speedup": chain.speedup if chain else None,
             "e2e_lossless_rate": chain.lossless_rate if chain else None,
             "e2e_near_tie_mismatches": chain.near_tie_mismatches if chain else None,
-            "verify_cost_decode_steps": chain.verify_cost_steps if chain else None, "break_even_tau": chain.break_even_tau if chain else None}
+            "verify_cost_decode_steps": chain.verify_cost_steps if chain else None, "break_even_tau": chain.break_even_tau if chain else None,
+            "e2e_engine": best.decoding.engine if best.decoding else None,
+            "e2e_best_mode": best.decoding.best.mode if best.decoding and best.decoding.best else None,
+            "e2e_best_speedup": best.decoding.best.speedup if best.decoding and best.decoding.best else None,
+            "e2e_tree_speedups": {str(b): run.speedup for b, run in best.decoding.trees.items()} if best.decoding else None,
+            **engines_side_by_side(work, target, Path(best.path), device=device, prompts=2, max_new_tokens=16 if device == "cpu" else 64)}
+
+
+def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, prompts: int, max_new_tokens: int) -> dict:
+    """The trained drafter on both decoding loops, back to back on the same val prompts: the host
+    loop (`engine.host_speculative_decode`: transformers' forward, a read back per step) and the
+    static step (`static_speculation`), for plain decoding, the chain and a DDTree of 8, with
+    whether their answers agree."""
+    from dflash_pipeline.decoding.engine import host_greedy_decode, host_speculative_decode
+    from dflash_pipeline.decoding.session import open_session
+    from dflash_pipeline.decoding.static_speculation import StaticSpeculation, static_plain_decode
+    from dflash_pipeline.drafters.checkpoints import load_checkpoint
+    from dflash_pipeline.evaluate.run import val_prompts
+
+    drafter, _ = load_checkpoint(checkpoint, device=device)
+    session = open_session(target, drafter, device=device)
+    model, tap, head, eos = session.model, session.tap, session.head, session.eos_ids
+    chosen = [ids for _, ids in val_prompts(work / "generated" / "val.parquet", prompts)]
+    common = dict(max_new_tokens=max_new_tokens, eos_ids=eos)
+    modes = {"plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common))}
+    for name, budget in (("chain", None), ("tree8", 8)):
+        propose, static = session.proposer(tree_budget=budget), StaticSpeculation(drafter, head, tree_budget=budget)
+        modes[name] = (lambda ids, propose=propose: host_speculative_decode(model, tap, drafter, propose, ids, **common),
+                       lambda ids, static=static: static.decode(model, ids, **common))
+    figures = {}
+    for name, (host, static) in modes.items():
+        host(chosen[0][:16]), static(chosen[0][:16])  # warm-up (the static step's buffers and graphs)
+        runs = {"host": [], "static": []}
+        for number, ids in enumerate(chosen):
+            for engine in (("host", "static") if number % 2 == 0 else ("static", "host")):
+                runs[engine].append((host if engine == "host" else static)(ids))
+        rate = {engine: sum(len(r.tokens) for r in done) / sum(r.seconds for r in done) for engine, done in runs.items()}
+        figures[name] = {"host_tokens_per_s": round(rate["host"], 1), "static_tokens_per_s": round(rate["static"], 1),
+                         "static_over_host": round(rate["static"] / rate["host"], 3),
+                         "identical": sum(a.tokens == b.tokens for a, b in zip(runs["host"], runs["static"]))}
+    session.close()
+    for name in ("chain", "tree8"):
+        figures[name]["static_speedup_over_plain"] = round(figures[name]["static_tokens_per_s"] / figures["plain"]["static_tokens_per_s"], 3)
+    print(f"  engines: {figures}", flush=True)
+    return {"engines_side_by_side": figures, "plain_decode_ms_batch1_static": round(1000 / figures["plain"]["static_tokens_per_s"], 3)}
 
 
 def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> dict:

@@ -25,7 +25,7 @@ from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, Proposal
 from dflash_pipeline.evaluate.record import EndToEnd, Interval, Mismatch, TimeSplit
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.decoding.sampling import Sampling, draw, verify_chain
-from dflash_pipeline.decoding.static_speculation import DecodeRun, StaticSpeculation, static_plain_decode
+from dflash_pipeline.decoding.static_speculation import DecodeRun, StaticSpeculation, static_forward_costs, static_plain_decode
 from dflash_pipeline.decoding.static_speculation import stored_features as as_stored
 from dflash_pipeline.stats import mean_ci95
 from dflash_pipeline.target.load import TargetHead
@@ -279,11 +279,20 @@ def verified_prefix(propose, tokens: int):
     return shorter
 
 
-@torch.inference_mode()
 def forward_costs(model, prompt_ids: list[int], lengths: list[int], *, repeats: int = 5) -> dict[int, float]:
     """Median seconds of one target forward of n new tokens (with the argmax of each position's
-    logits, as a verify step takes it) after the KV cache of `prompt_ids`, for each n in `lengths`;
-    the lengths take turns, so drift in machine speed falls on all alike."""
+    logits, as a verify step takes it) after the KV cache of `prompt_ids`, for each n in `lengths`,
+    on the engine that decodes (`speculation_engine`); the lengths take turns, so drift in machine
+    speed falls on all alike."""
+    if speculation_engine(model) == STATIC_ENGINE:
+        return static_forward_costs(model, prompt_ids, lengths, repeats=repeats)
+    return host_forward_costs(model, prompt_ids, lengths, repeats=repeats)
+
+
+@torch.inference_mode()
+def host_forward_costs(model, prompt_ids: list[int], lengths: list[int], *, repeats: int = 5) -> dict[int, float]:
+    """`forward_costs` with transformers' forward, cropping the DynamicCache back after each
+    forward (on CUDA a cuDNN plan cache can then hit where a real decode misses)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device

@@ -44,7 +44,8 @@ import torch
 
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
-from dflash_pipeline.decoding.trees import ANCHOR, build_draft_tree_tensors, ranked_candidates_on_device, tree_attention_visibility
+from dflash_pipeline.decoding.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
+                                             tree_attention_visibility)
 from dflash_pipeline.devices import bf16_by_default, synchronize
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
 
@@ -292,6 +293,9 @@ class SpeculativeStep(_Loop):
         self.node_depths = torch.arange(nodes, device=device)
         self.node_count = torch.full((), nodes, dtype=torch.long, device=device)
         self.visibility = tree_attention_visibility(chain_parents, 0, self.depth)
+        if tree_budget is not None:  # the rank-path keys' place values, made here: a graph capture cannot copy from the host
+            width = min(tree_budget, drafter.draft_head_weight(head).shape[0])
+            self.place = RankPathKeys.for_sizes(slots, width, tree_budget).place_values(device)
         self.q = None
         if sampling is not None and sampling.rule == "ratio":
             self.q = torch.zeros(nodes, head.lm_head_weight.shape[0], device=device)
@@ -334,7 +338,7 @@ class SpeculativeStep(_Loop):
             hidden = self.drafts.hidden(head, self.anchor, self.start)
             if self.tree_budget is not None:
                 logprobs, columns = ranked_candidates_on_device(draft_logits(drafter, head, hidden), self.tree_budget)
-                tree = build_draft_tree_tensors(logprobs, drafter.vocab_tokens(columns), self.tree_budget)
+                tree = build_draft_tree_tensors(logprobs, drafter.vocab_tokens(columns), self.tree_budget, place=self.place)
                 self.node_tokens.copy_(tree.tokens)
                 self.node_parents.copy_(tree.parents)
                 self.node_depths.copy_(tree.depths)
@@ -620,3 +624,31 @@ def static_plain_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eo
 
     step, graphed = _cached_step(model, key, len(prompt_ids), max_new_tokens, build)
     return _run(step, graphed, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
+
+
+@torch.inference_mode(False)
+def static_forward_costs(model, prompt_ids: list[int], lengths: list[int], *, repeats: int = 5) -> dict[int, float]:
+    """`engine.forward_costs` on the static cache: median seconds of one forward of n new tokens
+    (causal among themselves, after the prompt's cache) with the argmax of every row, as the
+    static verify phase runs it. Nothing is cropped: each repeat rewrites the same columns."""
+    import statistics
+
+    device = next(model.parameters()).device
+    width = len(prompt_ids)
+    decoder = StaticDecoder(model, batch=1, length=width + max(lengths) + 1)
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids], device=device)
+        decoder.prefill(ids, torch.ones_like(ids, dtype=torch.bool))
+        samples = {n: [] for n in lengths}
+        for repeat in range(repeats + 1):  # the first round warms up
+            for n in lengths:
+                columns = width + torch.arange(n, device=device)
+                visible = (decoder.key_columns[None, :] <= columns[:, None])[None]
+                tokens = ids[:, -n:]
+                synchronize(device)
+                started = time.perf_counter()
+                model.lm_head(decoder.forward(tokens, columns[None], columns, visible)[0]).argmax(-1)
+                synchronize(device)
+                if repeat:
+                    samples[n].append(time.perf_counter() - started)
+    return {n: statistics.median(values) for n, values in samples.items()}

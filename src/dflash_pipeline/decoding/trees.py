@@ -182,7 +182,7 @@ SLOT, RANK, PARENT, KEYS = 0, 1, 2, 3
 SCORE, PARENT_SCORE = 0, 1
 
 
-def build_draft_tree_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTreeTensors:
+def build_draft_tree_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, *, place: torch.Tensor | None = None) -> DraftTreeTensors:
     """`build_draft_tree` on the device: the same nodes in the same order (same float64 sums, same
     tie order), with static shapes and no read back to the host.
 
@@ -193,7 +193,9 @@ def build_draft_tree_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, bu
     the `budget` iterations (a Python loop over a fixed int: it unrolls under torch.compile) takes
     the open row of the highest score, of those the smallest rank path (`RankPathKeys`), and
     closes it. Once no row is open the remaining iterations write padding. Log-probs may be -inf
-    (such candidates tie and go by rank path, as on the host), not NaN.
+    (such candidates tie and go by rank path, as on the host), not NaN. `place`: the
+    `RankPathKeys.place_values` of these sizes, made beforehand by a caller whose step is captured
+    as a CUDA graph (a capture cannot copy from the host).
     """
     assert logprobs.dim() == 2 and tuple(logprobs.shape) == tuple(token_ids.shape), \
         f"logprobs {tuple(logprobs.shape)} and token_ids {tuple(token_ids.shape)} must both be [D, K]"
@@ -206,7 +208,7 @@ def build_draft_tree_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, bu
                                 depths=torch.full((budget,), -1, dtype=torch.int64, device=device),
                                 count=torch.zeros((), dtype=torch.int64, device=device))
     keys = RankPathKeys.for_sizes(slots, width, budget)
-    place = keys.place_values(device)
+    place = keys.place_values(device) if place is None else place
     flat_scores = logprobs.double().reshape(-1)  # float64 like the host's Python floats: the sums agree bit for bit
     flat_ids = token_ids.reshape(-1)
     rows = 2 * budget + 1

@@ -119,6 +119,7 @@ class Decoding:
     trees: dict[int, EndToEnd] = field(default_factory=dict)  # node budget -> greedy tree decoding
     sampled: dict[float, EndToEnd] = field(default_factory=dict)  # temperature > 0 -> sampled chain decoding
     best: BestMode | None = None  # the fastest lossless greedy mode of chain and trees
+    engine: str = ""  # the decoding loop both plain and speculative decoding ran on (`engine.speculation_engine`)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,8 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
             result["sampled"] = {str(float(temperature)): decoded(run) for temperature, run in candidate.decoding.sampled.items()}
             if candidate.decoding.best is not None:
                 result["best_mode"] = best_mode_figures(candidate.decoding.best)
+            if candidate.decoding.engine:
+                result["chain"]["engine"] = candidate.decoding.engine
         if scored.extras:
             result["extras"] = dict(scored.extras)
         return result

@@ -26,7 +26,8 @@ import torch
 
 from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
 from dflash_pipeline.devices import autocast, bf16_by_default, machine_description
-from dflash_pipeline.decoding.engine import EndToEndPrompt, VerifyPlan, end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end
+from dflash_pipeline.decoding.engine import (EndToEndPrompt, VerifyPlan, end_to_end, measure_forward_costs, plan_verify_tokens,
+                                              speculation_engine, summarize_end_to_end)
 from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
@@ -307,8 +308,9 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         sampled[temperature] = end_to_end(model, tap, chains(sampling), prompts, sampling=sampling, **common)
     session.close()
     machine = f"{device} on {machine_description()}"  # which mode pays depends on it
-    return {name: summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
-                                     plan=plans.get(name), machine=machine) for name in names}, results
+    engine = speculation_engine(model)
+    return {name: replace(summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
+                                             plan=plans.get(name), machine=machine), engine=engine) for name in names}, results
 
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
