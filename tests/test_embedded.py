@@ -172,3 +172,41 @@ def test_static_kv_generation_answers_the_default_prompts_as_transformers_does(e
     got = static_greedy_generate(model, prompts, max_new_tokens=48, eos_ids={2}, pad_id=2)
     assert len({len(p) for p in prompts}) > 1
     assert [(a.token_ids, a.finish_reason) for a in got] == [(a.token_ids, a.finish_reason) for a in expected]
+
+
+@pytest.mark.slow
+def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_loop(embedded_target, monkeypatch):
+    """The real target, fp32 on a CPU, and a drafter of the real sizes (its logits an oracle of
+    the answer, `test_static_speculation.install_oracle`): the static speculative step answers two
+    default prompts as transformers' plain greedy decoding does, chain and DDTree, and takes the
+    host loop's steps (issue #28)."""
+    import torch
+
+    from dflash_pipeline.decoding import engine
+    from dflash_pipeline.decoding.static_speculation import StaticSpeculation, static_plain_decode
+    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.target.load import LayerTap, TargetHead, load_target
+    from test_static_speculation import host_proposer, install_oracle
+
+    out_dir, _ = embedded_target
+    model, tokenizer = load_target(TargetInfo.from_json(out_dir / "target.json"))
+    config = model.config
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=config.hidden_size, intermediate_size=1536, num_layers=1, num_attention_heads=9,
+                                          num_key_value_heads=3, head_dim=64, vocab_size=config.vocab_size, block_size=8,
+                                          target_layer_ids=(1, 14, 27), num_target_layers=config.num_hidden_layers, mask_token_id=0)).eval()
+    head = TargetHead(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
+    tap = LayerTap(model, [1, 14, 27])
+    prompts = read_prompts(Path(__file__).parents[1] / "data" / "prompts" / "default.jsonl", val_fraction=0.1).prompts[:2]
+    for prompt in prompts:
+        ids = render_prompt(tokenizer, prompt, system_prompt=None, enable_thinking=False)
+        reference = engine.host_greedy_decode(model, ids, max_new_tokens=40, eos_ids={2})
+        assert static_plain_decode(model, ids, max_new_tokens=40, eos_ids={2}).tokens == reference.tokens
+        with monkeypatch.context() as patch:
+            install_oracle(patch, len(ids), reference.tokens, config.vocab_size)
+            for mode in (dict(), dict(tree_budget=8)):
+                run = StaticSpeculation(drafter, head, **mode).decode(model, ids, max_new_tokens=40, eos_ids={2}, feature_dtype="bf16")
+                host = engine.host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), ids, max_new_tokens=40,
+                                                      eos_ids={2}, feature_dtype="bf16")
+                assert run.tokens == reference.tokens == host.tokens and run.steps == host.steps and max(run.steps) >= 3
+    tap.remove()

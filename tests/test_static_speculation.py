@@ -43,14 +43,11 @@ class Oracle:
         return self.table[rows.clamp(0, self.table.shape[0] - 1)]
 
 
-@pytest.fixture
-def oracle(tiny_target, monkeypatch):
-    """Patch both paths' draft logits with the oracle (answer = plain greedy decoding of the prompt)."""
+def install_oracle(monkeypatch, prompt_length: int, answer: list[int], vocab: int) -> Oracle:
+    """Patch both loops' draft logits with an oracle over `answer` (the prompt's greedy answer)."""
     import dflash_pipeline.drafters.architecture as architecture
 
-    model, tap, head, drafter, prompt = tiny_target
-    reference = engine.greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
-    table = Oracle(len(prompt), reference.tokens, model.config.vocab_size)
+    table = Oracle(prompt_length, answer, vocab)
     hidden = static.StaticDraftCache.hidden
 
     def static_hidden(self, head, anchor, start):
@@ -68,6 +65,23 @@ def oracle(tiny_target, monkeypatch):
     monkeypatch.setattr(static, "draft_logits", oracle_logits)
     monkeypatch.setattr(architecture, "draft_logits", oracle_logits)
     monkeypatch.setattr(architecture, "draft_block", host_block)
+    return table
+
+
+def host_proposer(drafter, head, mode: dict):
+    """The host loop's proposer of one of MODES."""
+    if "tree_budget" in mode:
+        return engine.tree_proposer(drafter, head, mode["tree_budget"])
+    propose = engine.drafter_proposer(drafter, head)
+    return engine.verified_prefix(propose, mode["verify_tokens"]) if "verify_tokens" in mode else propose
+
+
+@pytest.fixture
+def oracle(tiny_target, monkeypatch):
+    """The oracle for the tiny target's prompt; returns its plain greedy decoding."""
+    model, tap, head, drafter, prompt = tiny_target
+    reference = engine.host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    install_oracle(monkeypatch, len(prompt), reference.tokens, model.config.vocab_size)
     return reference
 
 
@@ -79,13 +93,8 @@ def test_static_speculation_equals_plain_greedy_and_the_host_loop(tiny_target, o
     model, tap, head, drafter, prompt = tiny_target
     run = StaticSpeculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
     assert run.tokens == oracle.tokens
-    if "tree_budget" in mode:
-        propose = engine.tree_proposer(drafter, head, mode["tree_budget"])
-    else:
-        propose = engine.drafter_proposer(drafter, head)
-        if "verify_tokens" in mode:
-            propose = engine.verified_prefix(propose, mode["verify_tokens"])
-    host = engine.speculative_decode(model, tap, drafter, propose, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    host = engine.host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), prompt, max_new_tokens=MAX_NEW,
+                                          eos_ids={2})
     assert host.tokens == run.tokens
     assert run.steps == host.steps and run.drafted == host.drafted  # the same trees, the same accepted paths
     assert max(run.steps) >= 3 and min(run.steps) == 1  # acceptance happened, and rejection
@@ -110,7 +119,7 @@ def test_a_tree_accepts_paths_through_second_ranked_nodes(tiny_target, oracle, m
 def test_plain_static_decoding_equals_transformers(tiny_target):
     model, tap, head, drafter, prompt = tiny_target
     for eos in ({2}, {-5}):
-        reference = engine.greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos)
+        reference = engine.host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos)
         streamed = []
         run = static_plain_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos, on_tokens=streamed.extend, read_every=5)
         assert run.tokens == reference.tokens == streamed
@@ -121,7 +130,7 @@ def test_an_eos_inside_a_block_ends_the_answer_there(tiny_target, oracle):
     and the steps after the end (until the read) change nothing."""
     model, tap, head, drafter, prompt = tiny_target
     frequent = max(set(oracle.tokens[1:]), key=oracle.tokens.count)
-    expected = engine.greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent})
+    expected = engine.host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent})
     streamed = []
     run = StaticSpeculation(drafter, head).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent}, read_every=16,
                                                   on_tokens=streamed.extend)

@@ -12,6 +12,12 @@
 
 At T = 0 speculative decoding is lossless by construction; `summarize_end_to_end` checks it token
 for token against `greedy_decode` rather than trusting it.
+
+Two loops decode (`speculation_engine` picks one per target, the same for plain and speculative
+decoding): `static_speculation`'s steps, kept whole on the device over static caches, for targets
+with Llama's layers (SmolLM2); and the host loops here (`host_greedy_decode`,
+`host_speculative_decode`) over transformers' forward and DynamicCache for any other target and
+for any `propose` that is not a session's. On the CPU both give the same answers and the same steps.
 """
 
 import time
