@@ -268,6 +268,18 @@ HOST_PATHS = [
             "in its own process, alternating. Goals: both ratios no worse than 1 (capture >= 1, train <= 1), within noise."),
 ]
 
+STATIC_ENGINE = [
+    Table("The speculative step on the device against the host loop (bench/static_engine.py)", f"{STUDY}/static_engine_cpu.json", [
+        ("mode", "@", "`{}`"), ("host tokens/s", "host_tokens_per_s", "{:.1f}"), ("static tokens/s", "static_tokens_per_s", "{:.1f}"),
+        ("static / host", "static_over_host", "{:.2f}x"), ("host ms/step", "host_ms_per_step", "{:.1f}"),
+        ("static ms/step", "static_ms_per_step", "{:.1f}"), ("host speedup over plain", "host_speedup_over_plain", F3),
+        ("static speedup over plain", "static_speedup_over_plain", F3), ("same answers", "identical_answers", "{}"),
+        ("same steps", "identical_steps", "{}"),
+    ], rows="modes.*", note="The real SmolLM2 target in fp32 on a 2-core AMD EPYC (torch threads 2), a DFlash2 block-4 checkpoint "
+                            "of 200 steps (weak: τ about 1.2), 4 val prompts x 64 tokens x 2 rounds, each (mode, prompt) on both loops "
+                            "back to back, alternating which goes first. Each loop's speedup is over its own plain decoding."),
+]
+
 SECTIONS = [
     ("The committed run", "`make repro` of the commit's code: its `data/metrics`, `data/plots` and `dvc.lock`.", COMMITTED),
     ("Training studies", "`bench/train_study.py` and `bench/compute_curve.py`; what they showed is in "
@@ -276,6 +288,8 @@ SECTIONS = [
      DVC_COSTS),
     ("The GPU path's host work", "What a GPU train step and capture batch waited for, before and after issue #27, measured on a CPU; "
                                  "what changed is in [gpu.md](gpu.md#the-train-step-and-capture-without-host-waits).", HOST_PATHS),
+    ("Decoding without host waits", "Issue #28's speculative step kept on the device, measured on a CPU against the host loop; what "
+                                    "it is is in [gpu.md](gpu.md#decoding-without-host-waits-issue-28).", STATIC_ENGINE),
 ]
 
 
