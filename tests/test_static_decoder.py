@@ -6,7 +6,7 @@ import torch
 
 from dflash_pipeline.decoding.static_decoder import StaticDecoder, supports
 from dflash_pipeline.generate import READ_EVERY, decoding_engine, dynamic_greedy_generate, left_padded, static_greedy_generate
-from test_step_contract import DeviceReads
+from test_step_contract import DeviceReads, Paused
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -73,16 +73,8 @@ def test_a_decode_loop_reads_the_device_once_every_read_interval(tiny_target, mo
     model = tiny_target[0]
     prompts = _prompts(5, 1)
     reads = DeviceReads()
-    prefill = static.StaticDecoder.prefill
-
-    def quiet_prefill(self, *args):
-        reads.paused += 1
-        try:
-            return prefill(self, *args)
-        finally:
-            reads.paused -= 1
-
-    monkeypatch.setattr(static.StaticDecoder, "prefill", quiet_prefill)
+    quiet_prefill = Paused(reads, static.StaticDecoder.prefill)
+    monkeypatch.setattr(static.StaticDecoder, "prefill", lambda self, *args: quiet_prefill(self, *args))
     with reads:
         answers = static_greedy_generate(model, prompts, max_new_tokens=3 * READ_EVERY, eos_ids={-1}, pad_id=2)
     assert all(len(a.token_ids) == 3 * READ_EVERY for a in answers)

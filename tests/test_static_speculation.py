@@ -16,7 +16,7 @@ from dflash_pipeline.decoding import engine
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms
 from dflash_pipeline.decoding.static_speculation import StaticSpeculation, accept_greedy, static_plain_decode
 from dflash_pipeline.decoding.trees import PADDING, ranked_candidates, ranked_candidates_on_device
-from test_step_contract import DeviceReads
+from test_step_contract import DeviceReads, Paused
 
 MAX_NEW = 48
 
@@ -204,18 +204,10 @@ def test_the_loop_reads_once_every_read_interval(tiny_target):
     model, tap, head, drafter, prompt = tiny_target
     mode = StaticSpeculation(drafter, head)
     mode.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-5})  # builds the step (allocation reads nothing either)
-    prefill = static.SpeculativeStep.prefill
     reads = DeviceReads()
-
-    def quiet(self, *args):
-        reads.paused += 1
-        try:
-            return prefill(self, *args)
-        finally:
-            reads.paused -= 1
-
+    quiet = Paused(reads, static.SpeculativeStep.prefill)  # the prefill is not a step
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(static.SpeculativeStep, "prefill", quiet)
+        patch.setattr(static.SpeculativeStep, "prefill", lambda self, *args: quiet(self, *args))
         with reads:
             run = mode.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-5}, read_every=16)
     steps = len(run.steps)
