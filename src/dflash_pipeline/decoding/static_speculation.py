@@ -38,6 +38,7 @@ the module has not yet run on a GPU.
 
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -541,15 +542,10 @@ def run_steps(step, *, graphed: "GraphedPhases | None", read_every: int, on_toke
 # drafter's mode) and reused across prompts: allocating the caches and capturing the graphs is
 # paid once. Prompt capacity grows in multiples of CAPACITY_STEP.
 CAPACITY_STEP = 256
-_STEPS: "weakref.WeakKeyDictionary" = None
+_STEPS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
 def _cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, build):
-    import weakref
-
-    global _STEPS
-    if _STEPS is None:
-        _STEPS = weakref.WeakKeyDictionary()
     steps = _STEPS.setdefault(owner, {})
     entry = steps.get(key)
     if entry is None or entry[0].capacity < prompt_length or entry[0].answer_capacity < max_new_tokens:
