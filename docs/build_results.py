@@ -1,10 +1,15 @@
 """Build docs/results.md, every table of numbers in the docs, from the committed results.
 
-    python docs/build_results.py            # (re)write docs/results.md
-    python docs/build_results.py --check    # exit 1 when docs/results.md is not what it would write
+    python docs/build_results.py              # (re)write docs/results.md from the files committed at HEAD
+    python docs/build_results.py --check      # exit 1 when docs/results.md is not what it would write
+    python docs/build_results.py --workspace  # from the files as they are in the workspace (a run not yet committed)
 
 Sources: the committed run's metrics (`data/metrics/*.json`), its plot data (`data/plots/*.csv`),
-its `dvc.lock` (output sizes), and the benchmarks' and studies' results (`bench/results/*.json`).
+its `dvc.lock` (output sizes), and the benchmarks' and studies' results (`bench/results/*.json`),
+read through git at HEAD: a run of the pipeline rewrites `data/metrics` and `data/plots` in the
+workspace (another machine, another `-S` setting), and the page describes the committed run, not
+whichever run the workspace holds. To commit a new run: commit its metrics, plots and dvc.lock, then
+build (or build with `--workspace` and commit the page with them).
 Nothing here is typed by hand: a table is a spec, `Table(title, source, columns)`, with each
 column a (label, dotted key path, format), and the few lines at the bottom render it. A metrics key
 that is renamed is a one-line edit of its path; a path that no row has fails loudly, so a stale
@@ -21,7 +26,10 @@ in a single record (the decoding modes of eval.json, one row per mode).
 import argparse
 import csv
 import difflib
+import functools
+import io
 import json
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +39,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "results.md"
+COMMITTED_AT = "HEAD"  # the git revision the sources are read at (None: the workspace files)
 
 Path_ = str | tuple[str, ...] | None  # a dotted key path, several of them, or None for a fixed text
 Format = str | Callable
@@ -60,7 +69,15 @@ class Grid:
 # ----------------------------------------------------------------------------- formats
 
 F2, F3, F4 = "{:.2f}", "{:.3f}", "{:.4f}"
-PM3 = "{:.3f} ± {:.3f}"        # a value and its 95% interval
+
+
+def with_interval(mean: float, ci95: float | None) -> str:
+    """A value and its 95% interval; one prompt leaves no interval (null), spelled as the console does."""
+    return f"{mean:.3f} ± " + ("n/a" if ci95 is None else f"{ci95:.3f}")
+
+
+PM3 = with_interval
+
 PAIRED = "{:+.3f} ± {:.3f}"    # a paired difference and its 95% interval
 INT = "{:,}"
 S1 = "{:.1f} s"
@@ -90,22 +107,20 @@ def gib(value: float) -> str:
 
 # ----------------------------------------------------------------------------- the tables
 
-EVAL = "data/metrics/eval.json"
+EVAL = "data/metrics/eval.json"  # nested by section (docs/metrics-keys.md); details.json is a DVC output, not in git
 TAU = ("tau", "tau_ci95")
 
 COMMITTED = [
     Table("The committed run at a glance", EVAL, [
-        ("chosen checkpoint", "chosen", "{}"),
-        ("teacher-forced τ", TAU, PM3),
-        ("τ per step, end to end", ("e2e_tau", "e2e_tau_ci95"), PM3),
-        ("verify k", "verify_tokens", "{}"),
-        ("speedup", "speedup", F3),
-        ("break-even τ", "break_even_tau", F3),
-        ("lossless rate", "lossless_rate", "{}"),
-        ("plain tokens/s", "plain_tokens_per_s", "{}"),
-        ("speculative tokens/s", "spec_tokens_per_s", "{}"),
-    ], note="The chosen drafter's teacher-forced τ (val prompts) and its greedy chain decoding against plain "
-            "decoding of the same prompts, in the same process."),
+        ("chosen checkpoint", "chosen.name", "{}"),
+        ("teacher-forced τ", ("teacher_forced.tau", "teacher_forced.tau_ci95"), PM3),
+        ("best mode", "best_mode.mode", "`{}`"),
+        ("speedup", "best_mode.speedup", F3),
+        ("best mode's lossless rate", "best_mode.lossless_rate", "{}"),
+        ("val prompts", "teacher_forced.prompts", "{}"),
+        ("blocks", "teacher_forced.blocks", INT),
+    ], note="The chosen drafter's teacher-forced τ (val prompts), and the fastest lossless greedy decoding mode "
+            "against plain decoding of the same prompts, in the same process (`best_mode`)."),
     Table("generate", "data/metrics/generate.json", [
         ("prompts", "prompts", INT),
         ("answer tokens made", "new_tokens", INT),
@@ -137,52 +152,32 @@ COMMITTED = [
         ("teacher-forced τ", TAU, "{} ± {}"),
         ("DDTree-8 streak", "ddtree8_streak", "{}"),
     ], rows="*"),
-    Table("Teacher-forced τ by prompt category", EVAL, [
-        ("all", TAU, PM3),
-        ("coding", ("tau_coding", "tau_coding_ci95"), PM3),
-        ("math", ("tau_math", "tau_math_ci95"), PM3),
-        ("explain", ("tau_explain", "tau_explain_ci95"), PM3),
-        ("chat", ("tau_chat", "tau_chat_ci95"), PM3),
-        ("val prompts", "prompts", "{}"),
-        ("blocks", "blocks", INT),
-        ("seconds (all checkpoints)", "teacher_forced_seconds", "{}"),
-    ]),
-    Grid("Acceptance by slot", EVAL, ["slot", "P(slot correct)", "P(correct), given the slots before it accepted",
-                                      "target's token among the slot's candidates"], [
-        (f"{k}", [(f"slot{k}_acc", F3), (f"slot{k}_acc_cond", F3), (f"slot{k}_topk_recall", F3)]) for k in (1, 2, 3)
-    ]),
-    Table("DFlash2's candidate selector", EVAL, [
-        ("τ (the selector's walk)", TAU, PM3),
-        ("τ with each slot's argmax", ("tau_argmax", "tau_argmax_ci95"), PM3),
-        ("selector gain (paired)", ("tau_selector_gain", "tau_selector_gain_ci95"), PAIRED),
-        ("oracle path through the top-K", ("tau_oracle", "tau_oracle_ci95"), PM3),
-    ]),
-    Grid("Decoding modes end to end", EVAL,
-         ["mode", "τ per step (e2e)", "teacher-forced counterpart", "speedup", "verify cost (decode steps)",
-          "lossless rate", "near-tie partings"], [
-        ("chain T=0, verify k", [(("e2e_tau", "e2e_tau_ci95"), PM3), ("tau", "τ {:.3f}"), ("speedup", F3),
-                                 ("verify_cost_steps", F3), ("lossless_rate", "{}"), ("near_tie_mismatches", "{}")]),
-        *[(f"tree of {k} nodes, T=0", [((f"e2e_tree{k}_tau", f"e2e_tree{k}_tau_ci95"), PM3),
-                                       (f"ddtree{k}_streak", f"1 + DDTree-{k} {{:.3f}}"), (f"tree{k}_speedup", F3),
-                                       (f"tree{k}_verify_cost_steps", F3), (f"tree{k}_lossless_rate", "{}"),
-                                       (f"tree{k}_near_tie_mismatches", "{}")]) for k in (4, 8, 16)],
-        ("chain T=1, `evaluate.sampling_rule`", [(("e2e_tau_t1", "e2e_tau_t1_ci95"), PM3), (None, ""), ("speedup_t1", F3),
-                                                 (None, ""), (None, "sampled"), (None, "")]),
-    ], note="Each mode against plain decoding of the same val prompts in the same process "
-            "(`evaluate.num_prompts` x `evaluate.max_new_tokens`). The end-to-end tree τ is to be read "
-            "against 1 + the teacher-forced DDTree streak, as the chain's against τ."),
-    Table("Where a speculative step's time goes", EVAL, [
-        ("e2e prompts", "e2e_prompts", "{}"),
-        ("decode step", "decode_step_ms", "{} ms"),
-        ("verify (decode steps)", "verify_cost_steps", "{}"),
-        ("drafting (decode steps)", "draft_cost_steps", "{}"),
-        ("share: verify", "time_verify", "{:.1%}"),
-        ("draft", "time_draft", "{:.1%}"),
-        ("prefill", "time_prefill", "{:.1%}"),
-        ("overhead", "time_overhead", "{:.2%}"),
-        ("drafted tokens accepted, T=0", "acceptance_rate", "{:.1%}"),
-        ("T=1", "acceptance_t1", "{:.1%}"),
-    ]),
+    Table("Acceptance by slot", "data/plots/eval_slots.csv", [
+        ("slot", "slot", "{}"),
+        ("P(correct), given the slots before it accepted", "acceptance", F3),
+        ("P(slot correct)", "acceptance_unconditional", F3),
+    ], rows="*", note="The chosen checkpoint, teacher-forced."),
+    Table("Greedy chain decoding end to end", EVAL, [
+        ("verify k", "chain.verify_tokens", "{}"),
+        ("τ per step (e2e)", ("chain.tau", "chain.tau_ci95"), PM3),
+        ("speedup", "chain.speedup", F3),
+        ("break-even τ", "chain.break_even_tau", F3),
+        ("lossless rate", "chain.lossless_rate", "{}"),
+        ("near-tie partings", "chain.near_tie_mismatches", "{}"),
+    ], note="`evaluate.num_prompts` val prompts x `evaluate.max_new_tokens`, against plain decoding of the same "
+            "prompts in the same process; the time split, tokens/s and per-category τ are in `data/eval/details.json`."),
+    Table("DDTree trees by node budget", EVAL, [
+        ("node budget", "@", "{}"),
+        ("teacher-forced streak", "streak", F3),
+        ("τ per step (e2e)", "tau", F3),
+        ("speedup", "speedup", F3),
+    ], rows="tree.*", note="The end-to-end tree τ is to be read against 1 + the teacher-forced DDTree streak, "
+                           "as the chain's against τ."),
+    Table("Sampled chain decoding", EVAL, [
+        ("temperature", "@", "{}"),
+        ("τ per step (e2e)", "tau", F3),
+        ("speedup", "speedup", F3),
+    ], rows="sampled.*", note="At T > 0 under `evaluate.sampling_rule`."),
     Table("Cached outputs of the committed run", "dvc.lock", [
         ("stage", "@", "{}"),
         ("output", "path", "`{}`"),
@@ -295,12 +290,24 @@ SECTIONS = [
 
 # ----------------------------------------------------------------------------- rendering
 
-def load(source: str):
-    path = REPO / source
-    if path.suffix == ".csv":
-        with path.open(newline="") as f:
-            return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-    return json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+def load(source: str, revision: str | None = COMMITTED_AT):
+    text = source_text(REPO, revision, source)
+    suffix = Path(source).suffix
+    if suffix == ".csv":
+        return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(io.StringIO(text, newline=""))]
+    return json.loads(text) if suffix == ".json" else yaml.safe_load(text)
+
+
+@functools.cache
+def source_text(repo: Path, revision: str | None, source: str) -> str:
+    """A source file's text as committed at `revision` (`git show`), or as the workspace holds it."""
+    if revision is None:
+        return (repo / source).read_text()
+    shown = subprocess.run(["git", "-C", str(repo), "show", f"{revision}:./{source}"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise FileNotFoundError(f"{source} is not committed at {revision} ({shown.stderr.strip().splitlines()[-1:]}): "
+                                "commit it, or build from the workspace with --workspace")
+    return shown.stdout
 
 
 def _number(text: str):
@@ -325,8 +332,17 @@ def records(node, path: str, key=None) -> list[tuple[object, object]]:
     node = get(node, head.strip("."))
     if not star:
         return [(key, node)] if isinstance(node, dict) else [(key, item) for item in node]
-    items = node.items() if isinstance(node, dict) else enumerate(node)
+    items = _in_order(node.items()) if isinstance(node, dict) else enumerate(node)
     return [row for k, item in items for row in records(item, rest.strip("."), k if key is None else key)]
+
+
+def _in_order(items):
+    """A dict's items, numerically ordered when every key is a number (tree budgets "4", "8", "16")."""
+    items = list(items)
+    try:
+        return sorted(items, key=lambda item: float(item[0]))
+    except ValueError:
+        return items
 
 
 def cell(record, key, path: Path_, fmt: Format) -> str:
@@ -335,15 +351,15 @@ def cell(record, key, path: Path_, fmt: Format) -> str:
     paths = (path,) if isinstance(path, str) else path
     try:
         values = [key if p == "@" else get(record, p) for p in paths]
-    except (KeyError, IndexError):
+    except (KeyError, IndexError, TypeError):
         return ""
-    if any(v is None for v in values):
-        return ""
+    if values[0] is None or (not callable(fmt) and any(v is None for v in values)):
+        return ""  # a format function spells its own undefined companions (an interval's "n/a")
     return fmt(*values) if callable(fmt) else fmt.format(*values)
 
 
-def render(table: Table | Grid) -> str:
-    data = load(table.source)
+def render(table: Table | Grid, revision: str | None = COMMITTED_AT) -> str:
+    data = load(table.source, revision)
     if isinstance(table, Grid):
         (key, record), = records(data, table.rows)
         header, body = table.header, [[label] + [cell(record, key, p, f) for p, f in row] for label, row in table.cells]
@@ -375,7 +391,7 @@ def slug(title: str) -> str:
     return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
 
 
-def build() -> str:
+def build(revision: str | None = COMMITTED_AT) -> str:
     parts = ["# Results", "",
              "<!-- Generated by docs/build_results.py from the committed results; edit the script, not this file. -->", "",
              "Every table of numbers in the docs, generated from the committed files it names "
@@ -384,15 +400,16 @@ def build() -> str:
              "[team-setup.md](team-setup.md).", ""]
     parts += [f"- [{title}](#{slug(title)})" for title, _, _ in SECTIONS] + [""]
     for title, intro, tables in SECTIONS:
-        parts += [f"## {title}", "", intro, ""] + [render(table) for table in tables]
+        parts += [f"## {title}", "", intro, ""] + [render(table, revision) for table in tables]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/results.md differs from what would be written")
+    parser.add_argument("--workspace", action="store_true", help="read the sources as they are in the workspace, not at HEAD")
     args = parser.parse_args(argv)
-    text = build()
+    text = build(None if args.workspace else COMMITTED_AT)
     if not args.check:
         OUT.write_text(text)
         print(f"wrote {OUT.relative_to(REPO)}")

@@ -5,6 +5,7 @@ resolves (files and heading anchors), and tables of numbers live only in the gen
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def test_results_md_is_what_the_builder_writes(builder, capsys):
 
 def test_the_check_fails_on_a_stale_page_and_names_the_fix(builder, tmp_path, monkeypatch, capsys):
     stale = tmp_path / "results.md"
-    stale.write_text(builder.build().replace("| step_001600 |", "| step_001400 |").replace("1.", "9.", 1))
+    stale.write_text(builder.build().replace("| step_0", "| step_9", 1).replace("1.", "9.", 1))
     monkeypatch.setattr(builder, "OUT", stale)
     assert builder.main(["--check"]) == 1
     assert "python docs/build_results.py" in capsys.readouterr().err
@@ -73,10 +74,43 @@ def test_key_paths_walk_nested_sections_lists_and_wildcards(builder, tmp_path, m
     (tmp_path / "m.json").write_text(json.dumps({"teacher_forced": {"tau": 1.5, "tau_ci95": 0.1},
                                                  "tree": {"4": {"tau": 1.7}, "8": {"tau": 1.8}}}))
     monkeypatch.setattr(builder, "REPO", tmp_path)
-    one = builder.render(builder.Table("t", "m.json", [("τ", ("teacher_forced.tau", "teacher_forced.tau_ci95"), "{} ± {}")]))
+    one = builder.render(builder.Table("t", "m.json", [("τ", ("teacher_forced.tau", "teacher_forced.tau_ci95"), "{} ± {}")]), None)
     assert "| 1.5 ± 0.1 |" in one
-    trees = builder.render(builder.Table("t", "m.json", [("K", "@", "{}"), ("τ", "tau", "{:.2f}")], rows="tree.*"))
+    trees = builder.render(builder.Table("t", "m.json", [("K", "@", "{}"), ("τ", "tau", "{:.2f}")], rows="tree.*"), None)
     assert "| 4 | 1.70 |" in trees and "| 8 | 1.80 |" in trees
+
+
+def test_tree_budgets_are_rows_in_numeric_order_and_a_missing_interval_reads_n_a(builder, tmp_path, monkeypatch):
+    (tmp_path / "m.json").write_text(json.dumps({"tree": {"16": {"tau": 2.0}, "4": {"tau": 1.5}, "8": {"tau": 1.75}},
+                                                 "chain": {"tau": 1.25, "tau_ci95": None}}))
+    monkeypatch.setattr(builder, "REPO", tmp_path)
+    trees = builder.render(builder.Table("t", "m.json", [("K", "@", "{}")], rows="tree.*"), None)
+    assert [line.split("|")[1].strip() for line in trees.splitlines()[6:]] == ["4", "8", "16"]
+    chain = builder.render(builder.Table("t", "m.json", [("τ", ("chain.tau", "chain.tau_ci95"), builder.PM3)]), None)
+    assert "| 1.250 ± n/a |" in chain
+
+
+def git(repo: Path, *args: str) -> None:
+    import subprocess
+
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_the_page_reads_the_committed_files_not_the_workspace(builder, tmp_path, monkeypatch):
+    """A user's own run rewrites data/metrics in the workspace; the page and its check still read HEAD."""
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "empty")
+    (tmp_path / "m.json").write_text(json.dumps({"tau": 1.5}))
+    git(tmp_path, "add", "m.json")
+    git(tmp_path, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qm", "a run")
+    (tmp_path / "m.json").write_text(json.dumps({"tau": 2.5}))  # the workspace's own run, not committed
+    monkeypatch.setattr(builder, "REPO", tmp_path)
+    builder.source_text.cache_clear()
+    table = builder.Table("t", "m.json", [("τ", "tau", "{}")])
+    assert "| 1.5 |" in builder.render(table) and "| 2.5 |" in builder.render(table, None)
+    (tmp_path / "new.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="new.json is not committed at HEAD.*--workspace"):
+        builder.render(builder.Table("t", "new.json", [("τ", "tau", "{}")]))
 
 
 def test_the_readme_headline_is_the_committed_run(builder):
@@ -151,3 +185,30 @@ def test_tables_of_numbers_are_generated_not_typed(page):
         if any(NUMBER_CELL.match(c) for c in cells):
             typed.append(f"line {i + 1}: {line[:80]}")
     assert not typed, f"{page.name}: hand-typed numbers in a table (generate it in docs/build_results.py): {typed}"
+
+
+# ----------------------------------------------------------------------------- the README's two commands, in order
+
+@pytest.mark.slow
+@pytest.mark.dvc
+def test_a_pipeline_run_in_the_workspace_leaves_the_docs_check_passing(tiny_pipeline):
+    """`make repro` then `make test`: a run rewrites data/metrics and data/plots in the workspace (here
+    on the tiny target, in a copy of this repository committed as it is), and the docs check still
+    passes, since the page is the committed run's; built from the workspace, the nested metrics of
+    the new run fill every table of the spec."""
+    from conftest import run
+
+    repo = tiny_pipeline
+    for name in ("README.md", "dvc.lock"):
+        shutil.copy(REPO_ROOT / name, repo / name)
+    for folder in ("docs", "bench/results", "data/metrics", "data/plots"):
+        shutil.copytree(REPO_ROOT / folder, repo / folder, dirs_exist_ok=True)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "the committed run"], repo)
+
+    run(["dvc", "repro"], repo)
+    assert json.loads((repo / "data" / "metrics" / "eval.json").read_text())["chosen"]["name"] == "step_000004"
+    run(["python", "docs/build_results.py", "--check"], repo)
+    run(["python", "docs/build_results.py", "--workspace"], repo)
+    page = (repo / "docs" / "results.md").read_text()
+    assert "| step_000004 |" in page and "| 4 |" in page
