@@ -215,8 +215,8 @@ def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_
     run = copy_run(tiny, tmp_path / "run")
     data = run / "data"
     good = invoke("verify", run)
-    assert good.exit_code == 0 and good.stdout == f"verify: {run}: no damage found (target, shards, checkpoints, export, DVC cache) " \
-                                                  "and no leftover\n", good.output
+    assert good.exit_code == 0 and good.stdout == (f"verify: {run}: no damage found (target, generated answers, shards, checkpoints, "
+                                                   "best choice, export, DVC cache) and no leftover\n"), good.output
     shard, weights = data / "hidden" / "val" / "shard-00000.arrow", data / "checkpoints" / "step_000004" / "model.safetensors"
     exported = data / "export" / "drafter" / "model.safetensors"
     for path in (shard, weights, exported):
@@ -239,6 +239,26 @@ def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_
     after = invoke("verify", run)  # until `dvc pull` or `dvc repro` brings them back
     assert after.exit_code == 1 and after.stdout.splitlines() == [f"verify: {shard}: missing (manifest.json records its sha256)",
                                                                   f"verify: {exported}: missing (dflash_pipeline.json records its sha256)"]
+
+
+def test_a_damaged_val_parquet_is_refused_by_evaluate_in_one_line(tiny, tmp_path):
+    # evaluate read val.parquet (prompt categories, end-to-end prompts) without a check, and the
+    # command's --prompts read only its schema: a flipped bit in it was scored as if valid.
+    from dflash_pipeline.config import EvaluateConfig
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.evaluate.run import run_evaluate
+    from dflash_pipeline.files import sha256_file, write_sha256_record
+
+    val = Path(shutil.copy(tiny.generated / "val.parquet", tmp_path / "val.parquet"))
+    write_sha256_record(val, sha256_file(val))  # as generate records it
+    flip_a_byte(val)
+    with pytest.raises(PipelineError) as error:
+        run_evaluate(EvaluateConfig(num_prompts=1), target=TargetInfo.from_json(tiny.target_json), hidden_val_dir=tiny.val,
+                     generated_val=val, checkpoint_folders=[tiny.checkpoint], device="cpu", log=lambda *_: None)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{val}: damaged (sha256 ") and "val.parquet.sha256 records" in message, message
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny.target_json, "--shards", tiny.val, "--prompts", val,
+                                 "--device", "cpu"), f"{val}: damaged (sha256 ", "val.parquet.sha256 records")
 
 
 def test_show_refuses_damaged_weights_in_one_line(tiny, tmp_path):
