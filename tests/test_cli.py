@@ -1,6 +1,7 @@
 """The `dflash-pipeline` console command: every subcommand on a tiny captured and trained run, the
 installed entry point, and bad input as one line `error: ...` with exit status 1."""
 
+import hashlib
 import json
 import re
 import shutil
@@ -247,10 +248,9 @@ def test_a_damaged_val_parquet_is_refused_by_evaluate_in_one_line(tiny, tmp_path
     from dflash_pipeline.config import EvaluateConfig
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.evaluate.run import run_evaluate
-    from dflash_pipeline.files import sha256_file, write_sha256_record
-
     val = Path(shutil.copy(tiny.generated / "val.parquet", tmp_path / "val.parquet"))
-    write_sha256_record(val, sha256_file(val))  # as generate records it
+    # generate's record of it (`sha256sum -c` format), spelled out here
+    (tmp_path / "val.parquet.sha256").write_text(f"{hashlib.sha256(val.read_bytes()).hexdigest()}  val.parquet\n")
     flip_a_byte(val)
     with pytest.raises(PipelineError) as error:
         run_evaluate(EvaluateConfig(num_prompts=1), target=TargetInfo.from_json(tiny.target_json), hidden_val_dir=tiny.val,
@@ -362,6 +362,8 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     assert (by_drafter["export"]["tau"] > 1).any()  # the comparison is not between two all-miss drafters
     best = json.loads((out / "best.json").read_text())
     assert best["name"] == "step_000004" and (out / "eval.json").is_file() and (out / "plots" / "eval_tau.png").is_file()
+    # export acts on best.json: it carries its sha256 (`sha256sum -c` format) for export to check
+    assert (out / "best.json.sha256").read_text() == f"{hashlib.sha256((out / 'best.json').read_bytes()).hexdigest()}  best.json\n"
     metrics = json.loads((out / "eval.json").read_text())
     assert "vs_chosen" not in metrics and metrics["baselines"]["export"]["vs_chosen"]["tau"] == 0
     assert metrics["chosen"] == {"name": "step_000004", "step": 4} and metrics["teacher_forced"]["tau"] == best["tau"]

@@ -2,6 +2,7 @@
 folders, and z-lab's own DFlashDraftModel (the PyPI package dflash==0.1.0, or the z-lab/dflash checkout
 DFLASH_ZLAB_PATH names) loading our export and drafting the same logits as our inference and training paths."""
 
+import hashlib
 import json
 from dataclasses import replace
 
@@ -191,12 +192,12 @@ def test_the_export_stage_refuses_a_best_json_that_differs_from_its_record(tmp_p
 
     from conftest import REPO_ROOT
     from dflash_pipeline.drafters.checkpoints import save_checkpoint
-    from dflash_pipeline.files import write_json_recorded
-
     step_dir = save_checkpoint(tmp_path / "checkpoints", step=12, drafter=random_drafter(tiny_config()), record={}, metrics={})
     best_json = tmp_path / "eval" / "best.json"
     best_json.parent.mkdir()
-    write_json_recorded(best_json, {"name": "step_000012", "kind": "checkpoint", "path": str(step_dir), "tau": 1.5, "tau_ci95": 0.1})
+    # evaluate's best.json with its record (`sha256sum -c` format), as evaluate writes them (test_cli checks that it does)
+    best_json.write_text(json.dumps({"name": "step_000012", "kind": "checkpoint", "path": str(step_dir), "tau": 1.5, "tau_ci95": 0.1}))
+    (tmp_path / "eval" / "best.json.sha256").write_text(f"{hashlib.sha256(best_json.read_bytes()).hexdigest()}  best.json\n")
     spec = importlib.util.spec_from_file_location("export_stage", REPO_ROOT / "stages" / "export.py")
     stage = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stage)
