@@ -284,10 +284,13 @@ class AnswerCache:
         return dropped
 
     def add(self, rows: list[dict]) -> None:
-        index = int(self.chunks[-1].stem.split("-")[1]) + 1 if self.chunks else 0
+        """Save one batch's rows as the lowest-numbered chunk not there: a chunk answered again
+        after damage takes its old name (and, the same prompts answered alike, its old bytes)."""
+        taken = {chunk.name for chunk in self.chunks}
+        index = next(number for number in range(len(taken) + 1) if f"chunk-{number:05d}.parquet" not in taken)
         path = self.folder / f"chunk-{index:05d}.parquet"
         _write_parquet_atomic(_rows_table(rows, self.settings), path)
-        self.chunks.append(path)
+        self.chunks = sorted(self.chunks + [path])
         for row in rows:
             self.rows[row["prompt_id"]] = row
 
