@@ -1,8 +1,9 @@
 """`dflash-pipeline verify`: one check of a whole run against the digests its files carry, and the
 repair that lets DVC bring good copies back.
 
-Every file a later stage trusts carries its sha256 in the JSON beside it, and each stage checks it
-where it loads the file. This module checks them all at once, for a run's folders:
+Every file a later stage trusts carries its sha256 in the JSON or `.sha256` record beside it, and
+each stage checks it where it loads the file (docs/stages.md, "Checks and recovery", lists them).
+This module checks them all at once, for a run's folders:
 
     target       target.json's `files` (the converted embedded model)
     generated    generate's train/val.parquet and resume chunks, each against its `.sha256` record

@@ -214,4 +214,3 @@ def read_generated(path: Path) -> pa.Table:
     if not table.schema.remove_metadata().equals(GENERATED_SCHEMA):
         raise PipelineError(f"{path}: schema differs from the generate stage's ({table.schema.names})")
     return table
-
