@@ -562,6 +562,19 @@ def test_a_malformed_evaluate_record_is_one_error_naming_the_file_and_key(tmp_pa
         generate_mode(step)
 
 
+def test_generate_refuses_an_evaluate_record_that_differs_from_its_sha256(tmp_path):
+    # best.json decides the mode `generate` decodes with; a flipped bit in it was taken as measured.
+    from dflash_pipeline.errors import PipelineError
+
+    step = pipeline_run(tmp_path, best_mode=tree4_record())
+    best_json = tmp_path / "data" / "eval" / "best.json"
+    (best_json.parent / "best.json.sha256").write_text(f"{hashlib.sha256(best_json.read_bytes()).hexdigest()}  best.json\n")
+    assert generate_mode(step)[:2] == (4, None)
+    best_json.write_text(best_json.read_text().replace('"speedup": 1.08', '"speedup": 1.88'))
+    with pytest.raises(PipelineError, match=re.escape(f"{best_json}: damaged (sha256 ")):
+        generate_mode(step)
+
+
 @pytest.mark.slow  # four generate runs and an export: ~30 s on two cores
 def test_generate_decodes_with_the_evaluated_mode_of_a_checkpoint_and_of_its_export(tiny, tmp_path):
     import importlib.util
