@@ -28,10 +28,12 @@ def main(params_path, best_json, out_dir):
     from dflash_pipeline.config import load_params
     from dflash_pipeline.errors import PipelineError
     from dflash_pipeline.export import export_checkpoint
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.files import check_recorded_digest, read_json
     from dflash_pipeline.stats import format_interval
 
     config = load_params(params_path).export
+    if best_json.is_file():
+        check_recorded_digest(best_json)  # which checkpoint to publish: a flipped bit must not pick another
     best = read_json(best_json, missing="no evaluation choice; run the `evaluate` stage first (dvc repro evaluate)")
     if best.get("kind") != "checkpoint":
         raise PipelineError(f"{best_json}: the chosen drafter is a {best.get('kind')!r}, not a checkpoint of this run; nothing to export")

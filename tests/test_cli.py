@@ -1,6 +1,7 @@
 """The `dflash-pipeline` console command: every subcommand on a tiny captured and trained run, the
 installed entry point, and bad input as one line `error: ...` with exit status 1."""
 
+import hashlib
 import json
 import re
 import shutil
@@ -215,8 +216,8 @@ def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_
     run = copy_run(tiny, tmp_path / "run")
     data = run / "data"
     good = invoke("verify", run)
-    assert good.exit_code == 0 and good.stdout == f"verify: {run}: no damage found (target, shards, checkpoints, export, DVC cache) " \
-                                                  "and no leftover\n", good.output
+    assert good.exit_code == 0 and good.stdout == (f"verify: {run}: no damage found (target, generated answers, shards, checkpoints, "
+                                                   "best choice, export, DVC cache) and no leftover\n"), good.output
     shard, weights = data / "hidden" / "val" / "shard-00000.arrow", data / "checkpoints" / "step_000004" / "model.safetensors"
     exported = data / "export" / "drafter" / "model.safetensors"
     for path in (shard, weights, exported):
@@ -239,6 +240,25 @@ def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_
     after = invoke("verify", run)  # until `dvc pull` or `dvc repro` brings them back
     assert after.exit_code == 1 and after.stdout.splitlines() == [f"verify: {shard}: missing (manifest.json records its sha256)",
                                                                   f"verify: {exported}: missing (dflash_pipeline.json records its sha256)"]
+
+
+def test_a_damaged_val_parquet_is_refused_by_evaluate_in_one_line(tiny, tmp_path):
+    # evaluate read val.parquet (prompt categories, end-to-end prompts) without a check, and the
+    # command's --prompts read only its schema: a flipped bit in it was scored as if valid.
+    from dflash_pipeline.config import EvaluateConfig
+    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.evaluate.run import run_evaluate
+    val = Path(shutil.copy(tiny.generated / "val.parquet", tmp_path / "val.parquet"))
+    # generate's record of it (`sha256sum -c` format), spelled out here
+    (tmp_path / "val.parquet.sha256").write_text(f"{hashlib.sha256(val.read_bytes()).hexdigest()}  val.parquet\n")
+    flip_a_byte(val)
+    with pytest.raises(PipelineError) as error:
+        run_evaluate(EvaluateConfig(num_prompts=1), target=TargetInfo.from_json(tiny.target_json), hidden_val_dir=tiny.val,
+                     generated_val=val, checkpoint_folders=[tiny.checkpoint], device="cpu", log=lambda *_: None)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"{val}: damaged (sha256 ") and "val.parquet.sha256 records" in message, message
+    assert_one_line_error(invoke("evaluate", tiny.checkpoint, "--target", tiny.target_json, "--shards", tiny.val, "--prompts", val,
+                                 "--device", "cpu"), f"{val}: damaged (sha256 ", "val.parquet.sha256 records")
 
 
 def test_show_refuses_damaged_weights_in_one_line(tiny, tmp_path):
@@ -342,6 +362,8 @@ def test_evaluate_a_checkpoint_against_its_own_export_gives_identical_numbers(ti
     assert (by_drafter["export"]["tau"] > 1).any()  # the comparison is not between two all-miss drafters
     best = json.loads((out / "best.json").read_text())
     assert best["name"] == "step_000004" and (out / "eval.json").is_file() and (out / "plots" / "eval_tau.png").is_file()
+    # export acts on best.json: it carries its sha256 (`sha256sum -c` format) for export to check
+    assert (out / "best.json.sha256").read_text() == f"{hashlib.sha256((out / 'best.json').read_bytes()).hexdigest()}  best.json\n"
     metrics = json.loads((out / "eval.json").read_text())
     assert "vs_chosen" not in metrics and metrics["baselines"]["export"]["vs_chosen"]["tau"] == 0
     assert metrics["chosen"] == {"name": "step_000004", "step": 4} and metrics["teacher_forced"]["tau"] == best["tau"]
@@ -537,6 +559,19 @@ def test_a_malformed_evaluate_record_is_one_error_naming_the_file_and_key(tmp_pa
 
     step = pipeline_run(tmp_path, best_mode=tree4_record(**changes))
     with pytest.raises(PipelineError, match=re.escape(f"{tmp_path / 'data' / 'eval' / 'best.json'}: {fragment}")):
+        generate_mode(step)
+
+
+def test_generate_refuses_an_evaluate_record_that_differs_from_its_sha256(tmp_path):
+    # best.json decides the mode `generate` decodes with; a flipped bit in it was taken as measured.
+    from dflash_pipeline.errors import PipelineError
+
+    step = pipeline_run(tmp_path, best_mode=tree4_record())
+    best_json = tmp_path / "data" / "eval" / "best.json"
+    (best_json.parent / "best.json.sha256").write_text(f"{hashlib.sha256(best_json.read_bytes()).hexdigest()}  best.json\n")
+    assert generate_mode(step)[:2] == (4, None)
+    best_json.write_text(best_json.read_text().replace('"speedup": 1.08', '"speedup": 1.88'))
+    with pytest.raises(PipelineError, match=re.escape(f"{best_json}: damaged (sha256 ")):
         generate_mode(step)
 
 

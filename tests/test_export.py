@@ -2,6 +2,7 @@
 folders, and z-lab's own DFlashDraftModel (the PyPI package dflash==0.1.0, or the z-lab/dflash checkout
 DFLASH_ZLAB_PATH names) loading our export and drafting the same logits as our inference and training paths."""
 
+import hashlib
 import json
 from dataclasses import replace
 
@@ -180,6 +181,40 @@ def test_the_export_stage_records_the_mode_evaluate_measured_fastest(tmp_path):
     assert result.exit_code == 0 and "best_mode" not in load_dflash_drafter(tmp_path / "older")[1]["provenance"]["source"]
     result = export({"best_mode": "tree4"}, "bad")
     assert result.exit_code == 1 and f"{best_json}: best_mode is str, expected a mapping" in result.output
+
+
+def test_the_export_stage_refuses_a_best_json_that_differs_from_its_record(tmp_path):
+    # best.json says which checkpoint to publish; a flipped bit in it (another step, another tau)
+    # was exported as if evaluate had chosen it.
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from conftest import REPO_ROOT
+    from dflash_pipeline.drafters.checkpoints import save_checkpoint
+    step_dir = save_checkpoint(tmp_path / "checkpoints", step=12, drafter=random_drafter(tiny_config()), record={}, metrics={})
+    best_json = tmp_path / "eval" / "best.json"
+    best_json.parent.mkdir()
+    # evaluate's best.json with its record (`sha256sum -c` format), as evaluate writes them (test_cli checks that it does)
+    best_json.write_text(json.dumps({"name": "step_000012", "kind": "checkpoint", "path": str(step_dir), "tau": 1.5, "tau_ci95": 0.1}))
+    (tmp_path / "eval" / "best.json.sha256").write_text(f"{hashlib.sha256(best_json.read_bytes()).hexdigest()}  best.json\n")
+    spec = importlib.util.spec_from_file_location("export_stage", REPO_ROOT / "stages" / "export.py")
+    stage = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stage)
+
+    def export(out: str):
+        return CliRunner().invoke(stage.main, ["--params", str(REPO_ROOT / "params.yaml"), "--best", str(best_json),
+                                               "--out", str(tmp_path / out)], catch_exceptions=False)
+
+    assert export("good").exit_code == 0
+    best_json.write_text(best_json.read_text().replace('"tau": 1.5', '"tau": 1.7'))  # one byte, still valid JSON
+    result = export("bad")
+    assert result.exit_code == 1 and not (tmp_path / "bad").exists(), result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {best_json}: damaged (sha256 ") and "best.json.sha256 records" in lines[0]
+    from dflash_pipeline.integrity import RunPaths, check_run
+
+    assert [(f.path, f.kind) for f in check_run(RunPaths.at(tmp_path, eval=tmp_path / "eval"))] == [(best_json, "damaged")]
 
 
 def test_a_flipped_bit_is_refused_in_the_checkpoint_it_exports_and_in_the_export(tmp_path):

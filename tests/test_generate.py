@@ -194,3 +194,46 @@ def test_a_prompt_file_that_leaves_a_split_empty_is_refused_before_any_answer(ti
     only_val = write_jsonl(tmp_path / "val.jsonl", [{**SAMPLE_PROMPTS[0], "split": "val"}])
     with pytest.raises(PipelineError, match=r"give 0 train prompts"):
         run_generate(read_prompts(only_val, val_fraction=0.1), config=_config(), target=info, out_dir=tmp_path / "out")
+
+
+def test_a_damaged_chunk_is_answered_again_and_damaged_splits_are_refused(tiny_target, sample_prompts, tmp_path, capsys):
+    # A flipped byte in chunk-00000.parquet used to be reused on resume ("64 of 64 prompts already
+    # answered"), changed a prompt token in train.parquet, and then looked valid to every check.
+    from conftest import flip_a_byte
+    from dflash_pipeline.capture import load_sequences
+    from dflash_pipeline.integrity import RunPaths, check_run, repair
+
+    info, _, _, _ = tiny_target
+    prompt_set = read_prompts(sample_prompts, val_fraction=0.25)
+    out = tmp_path / "data" / "generated"
+    run_generate(prompt_set, config=_config(), target=info, out_dir=out)
+    first = folder_bytes(out)
+    chunk = out / "chunks" / "chunk-00000.parquet"
+    in_chunk = pq.read_table(chunk).num_rows
+    flip_a_byte(chunk)
+    paths = RunPaths.at(tmp_path)
+    assert [(f.path, f.kind) for f in check_run(paths)] == [(chunk, "damaged")]  # `dflash-pipeline verify` names it
+    capsys.readouterr()
+    again = run_generate(prompt_set, config=_config(), target=info, out_dir=out)
+    said = [line for line in capsys.readouterr().out.splitlines() if "chunk" in line]
+    assert len(said) == 1 and said[0].startswith("generate: answering again the prompts of 1 chunk(s) that do not match their "
+                                                 f"recorded sha256: {chunk}: damaged (sha256 "), said
+    assert again["this_run"]["reused_answers"] == len(SAMPLE_PROMPTS) - in_chunk and again["this_run"]["prompts"] == in_chunk
+    assert folder_bytes(out) == first  # the same answers again (greedy on a CPU), under the chunk's old name
+    assert check_run(paths) == []
+    assert {"train.parquet.sha256", "val.parquet.sha256", "chunks/chunk-00000.parquet.sha256"} <= set(first)
+
+    # train.parquet and val.parquet: refused in one line naming them by capture's reader and by evaluate's check
+    for split in ("train", "val"):
+        damaged = out / f"{split}.parquet"
+        flip_a_byte(damaged)
+        with pytest.raises(PipelineError) as error:
+            load_sequences(damaged, max_length=4096, on_too_long="truncate")
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"{damaged}: damaged (sha256 ") and f"{split}.parquet.sha256 records" in message
+    findings = check_run(paths)
+    assert [f.path for f in findings] == [out / "train.parquet", out / "val.parquet"]
+    done = repair(paths, findings)
+    assert done == [f"removed {out / 'train.parquet'} (damaged)", f"removed {out / 'val.parquet'} (damaged)"]
+    run_generate(prompt_set, config=_config(), target=info, out_dir=out)  # what `dvc repro` then runs
+    assert folder_bytes(out) == first

@@ -1,4 +1,4 @@
-"""integrity.py under real DVC: bit rot in hard-linked outputs (a shard, a checkpoint's weights),
+"""integrity.py under real DVC: bit rot in hard-linked outputs (a shard, a checkpoint's weights, an answer chunk),
 which DVC alone restores from its run cache and relinks onto rebuilt files, is repaired by `make
 repro`'s own commands; and a killed capture's staging folder, which DVC's run cache leaves behind
 when it serves the rerun, is gone after them. (The checks and the repair themselves, without DVC:
@@ -57,7 +57,8 @@ def test_bit_rot_in_hard_linked_outputs_is_repaired_by_make_repro(tiny_pipeline)
     dvc(repo, "repro")
     shard = repo / "data" / "hidden" / "train" / "shard-00000.arrow"
     weights = repo / "data" / "checkpoints" / "step_000004" / "model.safetensors"  # the last of max_steps 4, save_every 2
-    good = {path: path.read_bytes() for path in (shard, weights)}
+    chunk = repo / "data" / "generated" / "chunks" / "chunk-00000.parquet"  # generate's resume cache: it was reused as it was
+    good = {path: path.read_bytes() for path in (shard, weights, chunk)}
     objects = {path: cache_object(repo, path) for path in good}
     for path in good:
         flip_a_byte(path)  # in place: the cache file flips with it
@@ -67,13 +68,15 @@ def test_bit_rot_in_hard_linked_outputs_is_repaired_by_make_repro(tiny_pipeline)
     problems = [finding.problem for finding in check_run(RunPaths.at(repo))]
     assert any(str(shard) in problem and "damaged (sha256" in problem for problem in problems), problems
     assert any(str(weights) in problem and "damaged (sha256" in problem for problem in problems), problems
-    assert sum("DVC cache object" in problem for problem in problems) == 2, problems
+    assert any(str(chunk) in problem and "damaged (sha256" in problem for problem in problems), problems
+    assert sum("DVC cache object" in problem for problem in problems) == 3, problems
 
     printed = run_make_repro(repo)  # make runs in the repository: paths print relative to it
-    removed = [f"verify: removed {path.relative_to(repo)} (damaged)" for path in (shard, weights.parent)]
+    removed = [f"verify: removed {path.relative_to(repo)} (damaged)" for path in (shard, weights.parent, chunk)]
     assert all(line in printed.splitlines() for line in removed), printed
     for path, content in good.items():
-        assert path.read_bytes() == content  # rebuilt byte for byte (train resumed from step 2 and wrote step 4 again)
+        # rebuilt byte for byte (train resumed from step 2 and wrote step 4 again; generate answered the chunk's prompts again)
+        assert path.read_bytes() == content
         assert cache_object(repo, path).read_bytes() == content  # relinked to a good cache file, not the damaged one
     verify_split(repo / "data" / "hidden" / "train")
     load_checkpoint(weights.parent)

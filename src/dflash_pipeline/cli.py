@@ -286,20 +286,25 @@ def verify_shards(folder, target_path):
 @click.argument("root", metavar="DIR", type=EXISTING_DIR, default=".")
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default=None,
               help="The target stage's target.json (default: DIR/data/target/target.json).")
+@click.option("--generated", "generated_dir", type=click.Path(path_type=Path), default=None,
+              help="The generate output (default: DIR/data/generated).")
 @click.option("--hidden", "hidden_dir", type=click.Path(path_type=Path), default=None,
               help="The capture output (default: DIR/data/hidden).")
 @click.option("--checkpoints", "checkpoints_dir", type=click.Path(path_type=Path), default=None,
               help="The train output (default: DIR/data/checkpoints).")
+@click.option("--eval", "eval_dir", type=click.Path(path_type=Path), default=None,
+              help="The evaluate output (default: DIR/data/eval).")
 @click.option("--export", "export_dir", type=click.Path(path_type=Path), default=None,
               help="The export output (default: DIR/data/export/drafter).")
 @click.option("--repair", is_flag=True,
               help="Remove damaged files with their DVC cache objects (and restore cache objects from good copies), "
                    "and leftover staging folders; then `dvc pull` or `dvc repro` brings good copies back.")
 @one_line_errors
-def verify(root, target_json, hidden_dir, checkpoints_dir, export_dir, repair):
+def verify(root, target_json, generated_dir, hidden_dir, checkpoints_dir, eval_dir, export_dir, repair):
     """Check a whole run against the digests its files carry: the converted target (target.json),
-    the shards (each split's manifest), every checkpoint's weights and resume state
-    (checkpoint.json), the export (dflash_pipeline.json), leftover staging folders, and every DVC
+    generate's answers and resume chunks (their .sha256 records), the shards (each split's
+    manifest), every checkpoint's weights and resume state (checkpoint.json), evaluate's best.json
+    (its .sha256 record), the export (dflash_pipeline.json), leftover staging folders, and every DVC
     cache object dvc.lock's outputs name (each must hash to its name: with hard links a flipped bit
     in an output is in its cache object too, which DVC trusts without rehashing).
 
@@ -316,12 +321,14 @@ def verify(root, target_json, hidden_dir, checkpoints_dir, export_dir, repair):
     """
     from dflash_pipeline.integrity import RunPaths, check_run, repair as repair_run
 
-    paths = RunPaths.at(root, target=target_json, hidden=hidden_dir, checkpoints=checkpoints_dir, export=export_dir)
+    paths = RunPaths.at(root, target=target_json, generated=generated_dir, hidden=hidden_dir, checkpoints=checkpoints_dir, eval=eval_dir,
+                        export=export_dir)
     findings = check_run(paths)
     for finding in findings:
         click.echo(f"verify: {finding.problem}")
     if not findings:
-        click.echo(f"verify: {root}: no damage found (target, shards, checkpoints, export, DVC cache) and no leftover")
+        click.echo(f"verify: {root}: no damage found (target, generated answers, shards, checkpoints, best choice, export, DVC cache) "
+                   "and no leftover")
         return
     if not repair:
         raise PipelineError(f"{root}: {len(findings)} problem(s) found; `dflash-pipeline verify --repair`, then `dvc pull` or "
@@ -527,7 +534,7 @@ def evaluate_record_of(drafter_dir: Path, kind: str) -> tuple[bool, object, str]
     this very folder. A published drafter has no record.
     """
     from dflash_pipeline.drafters.serving import PROVENANCE_FILE
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.files import check_recorded_digest, read_json
 
     if kind == "drafter":
         path = drafter_dir / PROVENANCE_FILE
@@ -543,6 +550,7 @@ def evaluate_record_of(drafter_dir: Path, kind: str) -> tuple[bool, object, str]
     best_json = drafter_dir.parent.parent / "eval" / "best.json"
     if not best_json.is_file():
         return False, None, f"no {best_json} beside this checkpoint's run"
+    check_recorded_digest(best_json)
     best = read_json(best_json, missing="unreadable")
     if not isinstance(best, dict) or not isinstance(best.get("path"), str):
         raise PipelineError(f"{best_json}: no path of the chosen drafter (not evaluate's best.json)")

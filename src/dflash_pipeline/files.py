@@ -9,9 +9,11 @@ among them in some versions, jq, JavaScript) reject. Figures are drawn with matp
 backend, so plots need no browser and no network.
 
 A file a later stage trusts carries its sha256 in the JSON beside it (checkpoint.json, a shard
-manifest, target.json, an export's dflash_pipeline.json); `digest_problem` is the one check of
-such a record, and a record without a digest (a file written before there were any) has nothing
-to check.
+manifest, target.json, an export's dflash_pipeline.json), or, for a file with no such JSON (the
+generate stage's Parquet files, evaluate's best.json), in a `<name>.sha256` record beside it in
+`sha256sum -c` format, written before the file is renamed into place (`write_sha256_record`).
+`digest_problem` is the one check of such a record, and a record without a digest (a file written
+before there were any) has nothing to check.
 """
 
 import contextlib
@@ -93,6 +95,59 @@ def digest_problem(path: Path, expected: str | None, *, recorded_in: Path | str,
     if actual != expected:
         return f"{path}: damaged (sha256 {actual[:12]}..., {Path(recorded_in).name} records {expected[:12]}...)"
     return None
+
+
+SHA256_SUFFIX = ".sha256"
+
+
+def sha256_record_path(path: Path) -> Path:
+    """Where the `.sha256` record of `path` lies: beside it, its name plus `.sha256`."""
+    return Path(path).with_name(Path(path).name + SHA256_SUFFIX)
+
+
+def write_sha256_record(path: Path, digest: str) -> None:
+    """Record `digest` as the sha256 of `path` (atomically, `sha256sum -c` format); a writer calls
+    it before renaming the file into place, so a visible file always has its record."""
+    write_text_atomic(sha256_record_path(path), f"{digest}  {Path(path).name}\n")
+
+
+def write_json_recorded(path: Path, data) -> None:
+    """A JSON file (`json_text`, atomic) with its `.sha256` record, written first: for a small
+    record a later stage acts on that has no JSON beside it to hold its digest (best.json)."""
+    text = json_text(data)
+    write_sha256_record(path, hashlib.sha256(text.encode("utf-8")).hexdigest())
+    write_text_atomic(path, text)
+
+
+def recorded_sha256(path: Path) -> str | None:
+    """The sha256 its writer recorded beside `path`, or None when there is no readable record."""
+    try:
+        digest = sha256_record_path(path).read_text(encoding="ascii").split(maxsplit=1)[0]
+    except (FileNotFoundError, UnicodeDecodeError, IndexError):
+        return None
+    return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
+
+
+def recorded_digest_problem(path: Path) -> str | None:
+    """What is wrong with `path` against its `.sha256` record, as one line, or None when it matches
+    or there is no record (a file from before records). A record that is there but unreadable (a
+    flipped bit in it) is a problem too: nothing it vouches for can be trusted."""
+    record = sha256_record_path(path)
+    if not record.is_file():
+        return None
+    expected = recorded_sha256(path)
+    if expected is None:
+        return f"{path}: its sha256 record {record.name} is unreadable (damaged)"
+    return digest_problem(path, expected, recorded_in=record)
+
+
+def check_recorded_digest(path: Path) -> None:
+    """Refuse `path` in one line when it does not match its `.sha256` record (`recorded_digest_problem`)."""
+    from dflash_pipeline.errors import PipelineError
+
+    problem = recorded_digest_problem(path)
+    if problem:
+        raise PipelineError(f"{problem}; `dflash-pipeline verify --repair`, then `dvc repro` (README, Recovery)")
 
 
 def reuse_or_reset(folder: Path, record_name: str, record: dict, counted: str) -> int:

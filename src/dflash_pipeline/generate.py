@@ -7,6 +7,10 @@ target.json) and `GenerateConfig`. Output folder (a persistent DVC output):
     chunks/settings.json       what the cached answers were generated with
     chunks/chunk-NNNNN.parquet answers, written atomically batch by batch (the resume cache)
     train.parquet, val.parquet the selected prompts' rows, in prompt-file order
+    *.parquet.sha256           each Parquet file's sha256 (`sha256sum -c` format), written before
+                               the file is renamed into place: a resume keeps a chunk only when
+                               its bytes match it, and capture, evaluate and `dflash-pipeline
+                               verify` check train/val against theirs
     summary.json               counts, token totals, finish reasons, skipped rows, settings
                                (what the answers are; this run's timings are returned in the
                                summary's `this_run`, which the stage writes as a metrics file
@@ -15,7 +19,9 @@ target.json) and `GenerateConfig`. Output folder (a persistent DVC output):
 Rows hold the prompt id, category, messages, the exact prompt token ids (chat template applied)
 and the answer token ids (ending with the EOS token when the answer stopped), so later stages
 never re-tokenise. A killed run resumes from its chunks; chunks generated with other settings
-(another target, template option or length cap) are discarded, never mixed in.
+(another target, template option or length cap) are discarded, never mixed in, and a chunk that
+does not match its sha256 record (a flipped bit, or no record) is answered again, never reused
+because it merely parses.
 """
 
 import json
@@ -30,7 +36,15 @@ import pyarrow.parquet as pq
 
 from dflash_pipeline.config import GenerateConfig, as_dict
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import reuse_or_reset, write_json_atomic
+from dflash_pipeline.files import (
+    SHA256_SUFFIX,
+    recorded_digest_problem,
+    reuse_or_reset,
+    sha256_file,
+    sha256_record_path,
+    write_json_atomic,
+    write_sha256_record,
+)
 from dflash_pipeline.data.prompts import GENERATED_SCHEMA, Prompt, PromptSet
 from dflash_pipeline.target.load import TargetInfo
 
@@ -219,8 +233,10 @@ def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtyp
 
 
 def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
+    """`path` whole or not at all, its sha256 record written before it is renamed into place."""
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
+    write_sha256_record(path, sha256_file(tmp))
     os.replace(tmp, path)
 
 
@@ -237,6 +253,7 @@ class AnswerCache:
         self.settings = settings
         self.rows: dict[str, dict] = {}
         self.discarded = reuse_or_reset(folder, "settings.json", settings, "chunk-*.parquet")
+        self.dropped = self._drop_unverified_chunks()
         self.chunks = sorted(folder.glob("chunk-*.parquet"))
         for chunk in self.chunks:
             try:
@@ -246,11 +263,34 @@ class AnswerCache:
             for row in table.to_pylist():
                 self.rows[row["prompt_id"]] = row
 
+    def _drop_unverified_chunks(self) -> list[str]:
+        """Remove every chunk that does not match the sha256 record its writer made (its answers
+        are generated again) and every record left without its chunk; say so in one line."""
+        dropped = []
+        for chunk in sorted(self.folder.glob("chunk-*.parquet")):
+            problem = recorded_digest_problem(chunk)
+            if problem is None and not sha256_record_path(chunk).is_file():
+                problem = f"{chunk}: no recorded sha256 to check it against"
+            if problem:
+                chunk.unlink()
+                sha256_record_path(chunk).unlink(missing_ok=True)
+                dropped.append(problem)
+        for record in self.folder.glob("chunk-*.parquet" + SHA256_SUFFIX):
+            if not record.with_name(record.name.removesuffix(SHA256_SUFFIX)).is_file():
+                record.unlink()  # a writer killed before its rename, or a chunk removed by `verify --repair`
+        if dropped:
+            shown = "; ".join(dropped[:2]) + (f"; and {len(dropped) - 2} more" if len(dropped) > 2 else "")
+            print(f"generate: answering again the prompts of {len(dropped)} chunk(s) that do not match their recorded sha256: {shown}")
+        return dropped
+
     def add(self, rows: list[dict]) -> None:
-        index = int(self.chunks[-1].stem.split("-")[1]) + 1 if self.chunks else 0
+        """Save one batch's rows as the lowest-numbered chunk not there: a chunk answered again
+        after damage takes its old name (and, the same prompts answered alike, its old bytes)."""
+        taken = {chunk.name for chunk in self.chunks}
+        index = next(number for number in range(len(taken) + 1) if f"chunk-{number:05d}.parquet" not in taken)
         path = self.folder / f"chunk-{index:05d}.parquet"
         _write_parquet_atomic(_rows_table(rows, self.settings), path)
-        self.chunks.append(path)
+        self.chunks = sorted(self.chunks + [path])
         for row in rows:
             self.rows[row["prompt_id"]] = row
 

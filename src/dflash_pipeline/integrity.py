@@ -1,12 +1,15 @@
 """`dflash-pipeline verify`: one check of a whole run against the digests its files carry, and the
 repair that lets DVC bring good copies back.
 
-Every file a later stage trusts carries its sha256 in the JSON beside it, and each stage checks it
-where it loads the file. This module checks them all at once, for a run's folders:
+Every file a later stage trusts carries its sha256 in the JSON or `.sha256` record beside it, and
+each stage checks it where it loads the file (docs/stages.md, "Checks and recovery", lists them).
+This module checks them all at once, for a run's folders:
 
     target       target.json's `files` (the converted embedded model)
+    generated    generate's train/val.parquet and resume chunks, each against its `.sha256` record
     shards       each split's manifest.json: every shard's sha256, and no shard it does not list
     checkpoints  each step folder's checkpoint.json: the weights and the step's resume state
+    best choice  evaluate's best.json against its `.sha256` record (export acts on it)
     export       dflash_pipeline.json's `files`
     leftovers    a staging folder (`data/hidden.partial`) beside an output that is complete
     DVC cache    every cache object that dvc.lock's outputs name must hash (md5) to its own name
@@ -50,12 +53,12 @@ from dflash_pipeline.drafters.checkpoints import (
 )
 from dflash_pipeline.drafters.serving import PROVENANCE_FILE, provenance_problems
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import digest_problem, file_digest, read_json, staging_dir
+from dflash_pipeline.files import digest_problem, file_digest, read_json, recorded_digest_problem, staging_dir
 from dflash_pipeline.tensor_files import safetensors_header
 
 # The pipeline's outputs, as dvc.yaml names them.
-DEFAULT_PATHS = {"target": "data/target/target.json", "hidden": "data/hidden", "checkpoints": "data/checkpoints",
-                 "export": "data/export/drafter"}
+DEFAULT_PATHS = {"target": "data/target/target.json", "generated": "data/generated", "hidden": "data/hidden",
+                 "checkpoints": "data/checkpoints", "eval": "data/eval", "export": "data/export/drafter"}
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,10 @@ class RunPaths:
 
     root: Path
     target: Path
+    generated: Path
     hidden: Path
     checkpoints: Path
+    eval: Path
     export: Path
 
     @classmethod
@@ -102,6 +107,25 @@ def check_target(target_json: Path) -> list[Finding]:
         if problem:
             findings.append(Finding(target_json.parent / name, problem, "damaged"))
     return findings
+
+
+def check_recorded_files(folder: Path, pattern: str) -> list[Finding]:
+    """Every file of `folder` matching `pattern` that has a `.sha256` record beside it (generate's
+    Parquet files, evaluate's best.json) and does not match it. A file without a record has
+    nothing to check: one from before records (and generate answers such a chunk again itself)."""
+    if not folder.is_dir():
+        return []
+    findings = []
+    for path in sorted(folder.glob(pattern)):
+        problem = recorded_digest_problem(path) if path.is_file() else None
+        if problem:
+            findings.append(Finding(path, problem, "damaged"))
+    return findings
+
+
+def check_generated(generated: Path) -> list[Finding]:
+    """generate's train/val.parquet and its resume chunks against their sha256 records."""
+    return check_recorded_files(generated, "*.parquet") + check_recorded_files(generated / "chunks", "chunk-*.parquet")
 
 
 def _split_folders(hidden: Path) -> list[Path]:
@@ -254,8 +278,9 @@ def check_cache(root: Path) -> list[Finding]:
 
 def check_run(paths: RunPaths) -> list[Finding]:
     """Everything wrong with the run at `paths`, in the order of the pipeline, then the DVC cache."""
-    return (check_target(paths.target) + check_shards(paths.hidden) + check_checkpoints(paths.checkpoints)
-            + check_export(paths.export) + check_leftovers(paths) + check_cache(paths.root))
+    return (check_target(paths.target) + check_generated(paths.generated) + check_shards(paths.hidden)
+            + check_checkpoints(paths.checkpoints) + check_recorded_files(paths.eval, "best.json") + check_export(paths.export)
+            + check_leftovers(paths) + check_cache(paths.root))
 
 
 # ----------------------------------------------------------------------------- repair

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import check_recorded_digest
 
 ROLES = {"system", "user", "assistant"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -198,7 +199,12 @@ GENERATED_SCHEMA = pa.schema(
 
 
 def read_generated(path: Path) -> pa.Table:
-    """Read a train/val Parquet written by the `generate` stage, checking its schema."""
+    """Read a train/val Parquet written by the `generate` stage, checking it against the sha256
+    record generate wrote beside it (one line naming it when they differ; a file from before
+    records has nothing to check) and its schema. Capture reads through here; evaluate checks
+    val.parquet the same way (`files.check_recorded_digest`) before it reads it."""
+    if Path(path).is_file():
+        check_recorded_digest(path)
     try:
         table = pq.read_table(path)
     except FileNotFoundError:

@@ -40,27 +40,20 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import read_json, sha256_file, write_json_atomic, write_text_atomic
+from dflash_pipeline.files import (  # the `.sha256` record helpers are re-exported: capture and tests use them from here
+    SHA256_SUFFIX,
+    read_json,
+    recorded_sha256,
+    sha256_file,
+    sha256_record_path,
+    write_json_atomic,
+    write_sha256_record,
+)
 
 SHARD_FORMAT_VERSION = 2
 FEATURE_DTYPES = ("bf16", "fp8_e4m3")
 FP8_E4M3_MAX = 448.0
 SHARD_GLOB = "shard-*.arrow"
-SHA256_SUFFIX = ".sha256"
-
-
-def sha256_record_path(shard: Path) -> Path:
-    """Where a shard's own sha256 record lies until the manifest takes over."""
-    return Path(shard).with_name(Path(shard).name + SHA256_SUFFIX)
-
-
-def recorded_sha256(shard: Path) -> str | None:
-    """The sha256 its writer recorded beside `shard`, or None when there is no readable record."""
-    try:
-        digest = sha256_record_path(shard).read_text(encoding="ascii").split(maxsplit=1)[0]
-    except (FileNotFoundError, UnicodeDecodeError, IndexError):
-        return None
-    return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) else None
 
 
 def bytes_per_token(feature_width: int, feature_dtype: str, top_k: int = 0) -> int:
@@ -234,7 +227,7 @@ class ShardWriter:
         self._sink.close()
         self._file.close()
         digest = self._file.digest.hexdigest()
-        write_text_atomic(sha256_record_path(self.path), f"{digest}  {self.path.name}\n")
+        write_sha256_record(self.path, digest)
         os.replace(self.tmp_path, self.path)
         return ShardInfo(self.path.name, self.sequences, self.tokens, self.path.stat().st_size, digest)
 

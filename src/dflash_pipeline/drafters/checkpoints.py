@@ -205,8 +205,12 @@ def record_changes(old: dict, new: dict, *, limit: int = 3) -> str:
             return items
         return {prefix.rstrip("."): value}
 
+    def shown(value):  # a sha256 (a manifest's) is told apart by its first 12 hex digits
+        digest = isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+        return f"{value[:12]}..." if digest else repr(value)
+
     before, after = flat(_plain(old)), flat(_plain(new))
-    changed = [f"{key} {before.get(key, '(none)')!r} -> {after.get(key, '(none)')!r}"
+    changed = [f"{key} {shown(before.get(key, '(none)'))} -> {shown(after.get(key, '(none)'))}"
                for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]
     return ", ".join(changed[:limit]) + (f" and {len(changed) - limit} more" if len(changed) > limit else "")
 

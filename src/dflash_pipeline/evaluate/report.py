@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, EndToEnd, Evaluation, Interval
-from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_metrics
+from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_json_recorded, write_metrics
 from dflash_pipeline.stats import format_interval
 
 # What eval.json keeps of each section (details.json keeps everything, under the same paths).
@@ -177,10 +177,11 @@ def write_outputs(result, *, out_dir: Path, metrics_path: Path, plots_dir: Path)
     write_metrics(out_dir / "e2e.json", {"prompts": e2e_detail})
     best = evaluation.chosen_record
     best_mode = best.decoding.best if best.decoding is not None else None
-    write_metrics(out_dir / "best.json", {"name": best.name, "kind": best.kind, "step": best.step, "path": best.path,
-                                          "tau": best.teacher_forced.tau.mean, "tau_ci95": best.teacher_forced.tau.ci95,
-                                          "chosen_by": "teacher-forced tau",
-                                          "best_mode": best_mode_figures(best_mode) if best_mode is not None else None})
+    # export acts on best.json (which checkpoint to publish): it carries its sha256 (best.json.sha256)
+    write_json_recorded(out_dir / "best.json", {"name": best.name, "kind": best.kind, "step": best.step, "path": best.path,
+                                                "tau": best.teacher_forced.tau.mean, "tau_ci95": best.teacher_forced.tau.ci95,
+                                                "chosen_by": "teacher-forced tau",
+                                                "best_mode": best_mode_figures(best_mode) if best_mode is not None else None})
     metrics = to_metrics(evaluation)
     write_metrics(metrics_path, metrics)
     write_plots(evaluation, plots_dir)

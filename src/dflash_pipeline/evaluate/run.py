@@ -30,6 +30,7 @@ from dflash_pipeline.decoding.engine import (EndToEndPrompt, VerifyPlan, end_to_
                                               speculation_engine, summarize_end_to_end)
 from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import check_recorded_digest
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.decoding.sampling import Sampling
 from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, Decoding, EndToEnd, Evaluation, Paired
@@ -321,6 +322,8 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
     Checkpoints: `checkpoint_folders` when given (any folders with checkpoint.json), else those of
     `checkpoints_dir` chosen by `config.checkpoints`. Baselines: `baseline_dirs`, else `config.baselines`.
     """
+    if generated_val is not None and Path(generated_val).is_file():
+        check_recorded_digest(generated_val)  # its categories and prompts are read below; generate recorded its sha256
     val_set = open_split(hidden_val_dir, expected_fingerprint=target.fingerprint)
     manifest = val_set.manifest
     if checkpoint_folders is not None:
@@ -394,6 +397,8 @@ def compare_eval_runs(run_a: Path, run_b: Path) -> RunComparison:
 
     sides = []
     for folder in (Path(run_a), Path(run_b)):
+        if (folder / "best.json").is_file():
+            check_recorded_digest(folder / "best.json")
         chosen = read_json(folder / "best.json", missing="no best.json (not an evaluate output folder)")["name"]
         try:
             blocks = pd.read_parquet(folder / "blocks.parquet")

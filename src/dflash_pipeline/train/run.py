@@ -39,6 +39,7 @@ from dflash_pipeline.config import TrainConfig
 from dflash_pipeline.devices import autocast, bf16_by_default
 from dflash_pipeline.drafters.build import choose_architecture, choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.files import sha256_file
 from dflash_pipeline.train.loss import TrainingTargets, TrainingVocabulary, block_loss, default_gamma, training_targets
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
@@ -211,6 +212,17 @@ def _open_shards(target: TargetInfo, train_dir: Path, val_dir: Path) -> tuple[Sh
     return train_set, val_set
 
 
+def shards_record(train_set: ShardDataset, val_set: ShardDataset, *, train_dir: Path, val_dir: Path) -> dict:
+    """The data part of the run record, by content: each split's manifest sha256 (the manifest
+    lists every shard's sha256, so any change of what a shard holds changes it, at equal counts
+    too), beside the capture settings that decide a shard's content, spelled out so the line that
+    starts a run afresh names the one that changed (`record_changes`)."""
+    manifest = train_set.manifest
+    return {"train": {"tokens": manifest.tokens, "manifest_sha256": sha256_file(Path(train_dir) / "manifest.json")},
+            "val": {"tokens": val_set.manifest.tokens, "manifest_sha256": sha256_file(Path(val_dir) / "manifest.json")},
+            "layer_ids": manifest.layer_ids, "feature_dtype": manifest.feature_dtype, "target_top_k": manifest.target_top_k}
+
+
 def channel_rms_scale(train_set, *, max_tokens: int = 65536) -> torch.Tensor:
     """One over each feature channel's RMS over the first `max_tokens` train tokens (every
     position, the attention-sink first token included), in float64 so it does not depend on
@@ -276,8 +288,7 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
         attention=config.attention if config.attention != "auto" else ("flex" if on_gpu else "sdpa"),
         loss_options=architecture.loss_options,
         record={"train_config": architecture.record(config), "target_fingerprint": target.fingerprint,
-                "shards": {"train": manifest.tokens, "val": val_set.manifest.tokens, "layer_ids": manifest.layer_ids,
-                           "feature_dtype": manifest.feature_dtype}},
+                "shards": shards_record(train_set, val_set, train_dir=train_dir, val_dir=val_dir)},
     )
     run.lengths = train_set.lengths()
     if on_gpu:
