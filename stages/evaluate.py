@@ -9,10 +9,10 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--hidden", "hidden_dir", type=click.Path(path_type=Path), default="data/hidden", show_default=True,
               help="Capture output; its val split is scored teacher-forced.")
@@ -23,7 +23,7 @@ from dflash_pipeline.runtime import default_device, offline_by_default, one_line
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/eval", show_default=True)
 @click.option("--metrics", "metrics_path", type=click.Path(path_type=Path), default="data/metrics/eval.json", show_default=True)
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path), default="data/plots", show_default=True)
-@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@device_option
 @one_line_errors
 def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, out_dir, metrics_path, plots_dir, device):
     """Score every selected checkpoint and baseline; write eval.json, the comparison and plots."""
@@ -37,7 +37,7 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)
     result = run_evaluate(config, target=target, hidden_val_dir=hidden_dir / "val", generated_val=generated_dir / "val.parquet",
-                          checkpoints_dir=checkpoints_dir, device=device or default_device(), log=click.echo, source=str(params_path))
+                          checkpoints_dir=checkpoints_dir, device=device, log=click.echo, source=str(params_path))
     write_outputs(result, out_dir=out_dir, metrics_path=metrics_path, plots_dir=plots_dir)
     evaluation = result.record
     click.echo(summary_table(evaluation))

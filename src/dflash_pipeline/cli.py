@@ -29,44 +29,15 @@ from dflash_pipeline import __version__
 from dflash_pipeline.config import EvaluateConfig, GenerateConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import format_bytes
-from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+from dflash_pipeline.runtime import OneLineUsage, device_option, offline_by_default, one_line_errors
 
 DEFAULTS = EvaluateConfig()
 GENERATE_DEFAULTS = GenerateConfig()
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
-DEVICES = ("auto", "cpu", "cuda")
 
 
-def device_option(command):
-    """`--device auto|cpu|cuda` (auto: cuda when available); the command receives the resolved device."""
-
-    def resolve(context, option, value: str) -> str:
-        return default_device() if value == "auto" else value
-
-    return click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, callback=resolve,
-                        help="Where the models run; auto: cuda when available, else cpu.")(command)
-
-
-class OneLineGroup(click.Group):
-    """A click group whose usage mistakes (missing argument, path that does not exist, bad option
-    value, unknown command) are one line `error: ...` and exit 1, like every other failure."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as exc:
-            click.echo(exc.ctx.get_help())
-            sys.exit(0)
-        except click.ClickException as exc:
-            hint = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) is not None else ""
-            click.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
-            sys.exit(1)
-        except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
+class OneLineGroup(OneLineUsage, click.Group):
+    """The command group: usage mistakes are one line `error: ...` and exit 1 (`runtime.OneLineUsage`)."""
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -212,7 +183,8 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
     capture_output = not (shards_dir / "manifest.json").is_file() and (shards_dir / "val" / "manifest.json").is_file()
     split = shards_dir / "val" if capture_output else shards_dir
     result = run_evaluate(config, target=target_info(target_path), hidden_val_dir=split, generated_val=generated_val(prompts_path),
-                          checkpoint_folders=checkpoints, baseline_dirs=baselines, device=device or default_device(), log=click.echo)
+                          checkpoint_folders=checkpoints, baseline_dirs=baselines, device=device, log=click.echo,
+                          source="command line")
     if out_dir is not None:
         write_outputs(result, out_dir=out_dir, metrics_path=out_dir / "eval.json", plots_dir=out_dir / "plots")
         click.echo(f"evaluate: wrote {out_dir}")
