@@ -38,7 +38,8 @@ def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path
     prompt_set = read_prompts(
         prompts_path, val_fraction=config.val_fraction, on_bad_row=config.on_bad_row, limit=config.max_prompts
     )
-    summary = run_generate(prompt_set, config=config, target=target, out_dir=out_dir, device=device)
+    summary = run_generate(prompt_set, config=config, target=target, out_dir=out_dir, device=device,
+                           source=str(params_path))
     write_metrics(metrics_path, summary["this_run"])
     prompts, tokens = summary["prompts"], summary["answer_tokens"]
     click.echo(

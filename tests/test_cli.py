@@ -485,6 +485,27 @@ def generate_mode(folder: Path, kind: str = "checkpoint", *, explicit=(), tree_b
                                 explicit=set(explicit), machine=machine)
 
 
+def test_generate_refuses_a_prompt_that_with_its_answer_runs_past_the_targets_context(tiny):
+    # An 8,500-token prompt was decoded past an 8192-token context without a word.
+    prompt = "word " * 3950
+    result = invoke("generate", prompt, "--target", tiny.target_json, "--drafter", tiny.export, "--max-new-tokens", 200, "--device", "cpu")
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    line = result.stderr.strip().splitlines()[-1]  # after transformers' own weight-loading bar
+    assert line.startswith("error: PROMPT is ") and "tokens in the target's chat template; with --max-new-tokens 200" in line, line
+    assert "past the target's context of 4096 tokens (max_position_embeddings in " in line
+    assert int(line.split("PROMPT is ")[1].split()[0]) + 200 > 4096 and "speculative" not in result.stdout
+
+
+def test_evaluate_refuses_an_answer_length_past_the_targets_context_before_scoring(tiny):
+    common = [tiny.checkpoint, "--target", tiny.target_json, "--shards", tiny.val, "--device", "cpu"]
+    assert_one_line_error(invoke("evaluate", *common, "--max-new-tokens", 4096),
+                          "command line: key 'evaluate.max_new_tokens' plus a val prompt must fit the target's context, 4096 tokens")
+    line = assert_one_line_error(invoke("evaluate", *common, "--prompts", tiny.generated, "--max-new-tokens", 4095),
+                                 "command line: key 'evaluate.max_new_tokens' (4095) plus val prompt ",
+                                 "must fit the target's context, 4096 tokens (its max_position_embeddings, in target.json), got 4095")
+    assert f"{tiny.generated / 'val.parquet'} (" in line
+
+
 def test_generate_takes_the_mode_evaluate_measured_fastest_and_says_why(tmp_path):
     step = pipeline_run(tmp_path, best_mode=tree4_record())
     budget, verify, line = generate_mode(step)

@@ -565,6 +565,7 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
 
     from dflash_pipeline.target.load import load_target
 
+    config.validate_context(target.max_position_embeddings, source)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     barrier = None

@@ -623,7 +623,8 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
              device):
     """Answer PROMPT (one user turn, in the target's chat template) with the drafter, streaming the
     text, then one line: tokens, tokens per step, tokens/s. --compare adds plain decoding of the
-    same prompt; at T = 0 the two answers must be identical.
+    same prompt; at T = 0 the two answers must be identical. A prompt that with --max-new-tokens
+    would run past the target's context (its max_position_embeddings) is refused.
 
     At T = 0 without --tree-budget or --verify-tokens, the mode is the one evaluate measured fastest
     for this drafter (the chain at its verify length or a DDTree budget): recorded in an export's
@@ -664,6 +665,12 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     session = open_session(target, candidate.drafter, device=device)
     prompt_ids = render_prompt(session.tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
                                system_prompt=GENERATE_DEFAULTS.system_prompt, enable_thinking=GENERATE_DEFAULTS.enable_thinking)
+    context = target.max_position_embeddings
+    if context and len(prompt_ids) + max_new_tokens > context:  # decoding on past it runs off what the target was built for
+        session.close()
+        raise PipelineError(f"PROMPT is {len(prompt_ids)} tokens in the target's chat template; with --max-new-tokens {max_new_tokens} "
+                            f"that is {len(prompt_ids) + max_new_tokens}, past the target's context of {context} tokens "
+                            f"(max_position_embeddings in {target_path}): shorten the prompt or lower --max-new-tokens")
     propose = session.proposer(sampling=sampling, tree_budget=tree_budget, verify_tokens=verify_tokens)
     if compare:  # first-call allocations and kernel choice would otherwise fall on the side that runs first
         session.plain(prompt_ids, max_new_tokens=4)
