@@ -232,7 +232,9 @@ def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_
     repaired = invoke("verify", run, "--repair")
     assert repaired.exit_code == 0, repaired.output
     assert f"verify: removed {shard} (damaged)" in repaired.stdout and f"verify: removed {exported} (damaged)" in repaired.stdout
-    assert f"verify: removed {weights.parent} (damaged)" in repaired.stdout  # train resumes from the step before and writes it again
+    assert f"verify: removed {weights.parent} (damaged)" in repaired.stdout
+    # the only step went, and with it the only resume state: train says where it will start, not "from the step before"
+    assert "verify: train starts from step 0: no step is left" in repaired.stdout.splitlines()
     assert f"verify: removed leftover {data / 'hidden.partial'}" in repaired.stdout and "dvc repro" in repaired.stdout.splitlines()[-1]
     assert not shard.exists() and not weights.parent.exists() and not (data / "checkpoints" / "state" / "step_000004.pt").exists()
     assert not (data / "hidden.partial").exists() and (data / "hidden" / "train" / "shard-00000.arrow").is_file()

@@ -277,7 +277,9 @@ def verify(root, target_json, hidden_dir, checkpoints_dir, export_dir, repair):
 
     DIR is the pipeline's repository (default: here). Prints one line per problem and exits 1
     when there are any. --repair removes each damaged file with the cache objects that are the same
-    file (for a checkpoint, also every newer step: train writes them again), restores a damaged
+    file (for a checkpoint, also every newer step: train writes them again, from the newest step left
+    with its resume state, which only the newest two steps keep, else from the start; it says
+    which), restores a damaged
     cache object from a good copy in the workspace or removes it, and removes leftovers; then
     `dvc pull` (from a remote) or `dvc repro` brings good copies back. `make repro` runs it.
 
