@@ -12,19 +12,19 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--generated", "generated_dir", type=click.Path(path_type=Path), default="data/generated", show_default=True)
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
 @click.option("--metrics", "metrics_path", type=click.Path(path_type=Path), default="data/metrics/capture.json", show_default=True,
               help="This run's timings and shards written (kept out of OUT).")
-@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@device_option
 @one_line_errors
-def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Path, metrics_path: Path, device: str | None) -> None:
+def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Path, metrics_path: Path, device: str) -> None:
     """Capture the selected target layers for the train and val splits into OUT/{train,val}/."""
     offline_by_default()
     from dflash_pipeline.capture import run_capture
@@ -34,7 +34,7 @@ def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Pat
 
     config = load_params(params_path).capture
     target = TargetInfo.from_json(target_json)
-    summary = run_capture(config, target=target, generated_dir=generated_dir, out_dir=out_dir, device=device or default_device(),
+    summary = run_capture(config, target=target, generated_dir=generated_dir, out_dir=out_dir, device=device,
                           source=str(params_path))
     if summary["splits"]:
         this_run = summary.pop("this_run")

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import one_line_errors
+from dflash_pipeline.runtime import OneLineCommand, one_line_errors
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--best", "best_json", type=click.Path(path_type=Path), default="data/eval/best.json", show_default=True,
               help="The evaluate stage's choice (highest teacher-forced tau).")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--prompts", "prompts_path", type=click.Path(path_type=Path), required=True,
               help="Prompt file (JSONL or Parquet); dvc.yaml passes generate.prompts.")
@@ -22,9 +22,9 @@ from dflash_pipeline.runtime import default_device, offline_by_default, one_line
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/generated", show_default=True)
 @click.option("--metrics", "metrics_path", type=click.Path(path_type=Path), default="data/metrics/generate.json", show_default=True,
               help="This run's timings and answers reused / made (kept out of OUT).")
-@click.option("--device", default=None, help="cpu or cuda[:N]; default: cuda when available.")
+@device_option
 @one_line_errors
-def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path, metrics_path: Path, device: str | None) -> None:
+def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path, metrics_path: Path, device: str) -> None:
     """Answer the first generate.max_prompts prompts greedily; resumes after an interruption."""
     offline_by_default()
     from dflash_pipeline.config import load_params
@@ -38,8 +38,8 @@ def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path
     prompt_set = read_prompts(
         prompts_path, val_fraction=config.val_fraction, on_bad_row=config.on_bad_row, limit=config.max_prompts
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summary = run_generate(prompt_set, config=config, target=target, out_dir=out_dir, device=device or default_device())
+    summary = run_generate(prompt_set, config=config, target=target, out_dir=out_dir, device=device,
+                           source=str(params_path))
     write_metrics(metrics_path, summary["this_run"])
     prompts, tokens = summary["prompts"], summary["answer_tokens"]
     click.echo(

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import offline_by_default, one_line_errors
+from dflash_pipeline.runtime import OneLineCommand, offline_by_default, one_line_errors
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/target", show_default=True,
               help="Folder for target.json (and the converted embedded model).")

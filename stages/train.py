@@ -10,17 +10,17 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--hidden", "hidden_dir", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default="data/checkpoints", show_default=True)
 @click.option("--metrics", "metrics_path", type=click.Path(path_type=Path), default="data/metrics/train.json", show_default=True)
 @click.option("--plots", "plots_dir", type=click.Path(path_type=Path), default="data/plots", show_default=True)
-@click.option("--device", default=None, help="cpu or cuda; default: cuda when available.")
+@device_option
 @one_line_errors
 def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir, device):
     """Train the drafter; checkpoints go to OUT/step_NNNNNN, metrics and curves beside."""
@@ -34,7 +34,7 @@ def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir,
     config = load_params(params_path).train
     target = TargetInfo.from_json(target_json)
     result = run_train(config, target=target, train_dir=hidden_dir / "train", val_dir=hidden_dir / "val",
-                       out_dir=out_dir, device=device or default_device(), source=str(params_path))
+                       out_dir=out_dir, device=device, source=str(params_path))
     if int(os.environ.get("RANK", "0")) != 0:
         return
     write_train_outputs(result, metrics_path=metrics_path, plots_dir=plots_dir)

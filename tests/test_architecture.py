@@ -14,7 +14,7 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 # The layer table of the README's "Where things live": a module imports only from lower layers
 # (and, within its own layer, only where the table's order allows: earlier entries first).
 LAYERS = [
-    ["errors", "files", "tensor_files", "config", "runtime", "devices", "stats", "progress"],
+    ["errors", "files", "tensor_files", "config", "devices", "runtime", "stats", "progress"],
     ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "decoding.sampling", "decoding.trees", "decoding.static_decoder",
      "evaluate.record", "drafters.family", "drafters.core", "drafters.architecture", "drafters.dflash", "drafters.dflash2",
      "drafters.serving", "decoding.static_speculation"],

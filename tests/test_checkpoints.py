@@ -4,6 +4,7 @@ one line naming the file."""
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -105,3 +106,23 @@ def test_a_flipped_bit_in_the_newest_resume_state_passes_it_over_for_the_step_be
     point = load_resume_state(tmp_path, {"seed": 0})
     assert point.step == 2 and len(point.skipped) == 1
     assert point.skipped[0].startswith(f"step_000004: {state_path(tmp_path, 4)}: damaged (sha256 "), point.skipped
+
+
+def test_a_step_without_its_resume_state_says_why_it_has_none(tmp_path):
+    # After `verify --repair` removed a damaged step 4 with every newer one, train said step 2 had
+    # "no resume state (the run stopped before writing it)"; it was the keep-two rule.
+    drafter = tiny_drafter()
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    for step in (2, 4, 6):
+        save_step(tmp_path, step=step, drafter=drafter, optimizer=optimizer, curve=[], record={"seed": 0}, metrics={})
+    flip_a_byte(state_path(tmp_path, 6))
+    flip_a_byte(state_path(tmp_path, 4))
+    point = load_resume_state(tmp_path, {"seed": 0})
+    assert point.step == 0 and point.skipped[2] == (f"step_000002: {state_path(tmp_path, 2)}: no resume state "
+                                                   "(only the newest 2 checkpoints keep one)"), point.skipped
+    for step in (4, 6):  # what `verify --repair` removes for a damaged step 4
+        shutil.rmtree(tmp_path / f"step_{step:06d}")
+        state_path(tmp_path, step).unlink()
+    point = load_resume_state(tmp_path, {"seed": 0})
+    assert point.step == 0 and point.skipped == [f"step_000002: {state_path(tmp_path, 2)}: no resume state (only the newest 2 "
+                                                 "checkpoints keep one, and the newer steps that had one were removed)"]

@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
-import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -142,12 +141,13 @@ def test_version_prints_the_package_version():
 
 
 @pytest.mark.parametrize("command", [name for name in SUBCOMMANDS if any(p.name == "device" for p in main.commands[name].params)])
-def test_a_bad_device_is_a_one_line_error(command, tmp_path):
-    option = next(p for p in main.commands[command].params if p.name == "device")
-    assert isinstance(option.type, click.Choice) and set(option.type.choices) == {"auto", "cpu", "cuda"}
+def test_a_bad_device_is_a_one_line_error(command, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU build of torch, whatever this machine has
     arguments = {"evaluate": [tmp_path, "--target", tmp_path, "--shards", tmp_path],
                  "generate": ["hi", "--target", tmp_path, "--drafter", tmp_path]}[command]
-    assert_one_line_error(invoke(command, *arguments, "--device", "tpu"), "--device", "'tpu' is not one of")
+    assert_one_line_error(invoke(command, *arguments, "--device", "tpu"), "--device 'tpu': not a device", "available here: auto, cpu")
+    for device in ("cuda", "cuda:1"):  # torch's own 41-line AssertionError once the models started loading
+        assert_one_line_error(invoke(command, *arguments, "--device", device), f"--device {device}: ", "available here: auto, cpu")
 
 
 def test_the_device_option_appears_on_the_decoding_commands():
@@ -233,7 +233,9 @@ def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_
     repaired = invoke("verify", run, "--repair")
     assert repaired.exit_code == 0, repaired.output
     assert f"verify: removed {shard} (damaged)" in repaired.stdout and f"verify: removed {exported} (damaged)" in repaired.stdout
-    assert f"verify: removed {weights.parent} (damaged)" in repaired.stdout  # train resumes from the step before and writes it again
+    assert f"verify: removed {weights.parent} (damaged)" in repaired.stdout
+    # the only step went, and with it the only resume state: train says where it will start, not "from the step before"
+    assert "verify: train starts from step 0: no step is left" in repaired.stdout.splitlines()
     assert f"verify: removed leftover {data / 'hidden.partial'}" in repaired.stdout and "dvc repro" in repaired.stdout.splitlines()[-1]
     assert not shard.exists() and not weights.parent.exists() and not (data / "checkpoints" / "state" / "step_000004.pt").exists()
     assert not (data / "hidden.partial").exists() and (data / "hidden" / "train" / "shard-00000.arrow").is_file()
@@ -505,6 +507,27 @@ def generate_mode(folder: Path, kind: str = "checkpoint", *, explicit=(), tree_b
 
     return choose_generate_mode(drafter_dir=folder, kind=kind, block_size=16, tree_budget=tree_budget, verify_tokens=verify_tokens,
                                 explicit=set(explicit), machine=machine)
+
+
+def test_generate_refuses_a_prompt_that_with_its_answer_runs_past_the_targets_context(tiny):
+    # An 8,500-token prompt was decoded past an 8192-token context without a word.
+    prompt = "word " * 3950
+    result = invoke("generate", prompt, "--target", tiny.target_json, "--drafter", tiny.export, "--max-new-tokens", 200, "--device", "cpu")
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    line = result.stderr.strip().splitlines()[-1]  # after transformers' own weight-loading bar
+    assert line.startswith("error: PROMPT is ") and "tokens in the target's chat template; with --max-new-tokens 200" in line, line
+    assert "past the target's context of 4096 tokens (max_position_embeddings in " in line
+    assert int(line.split("PROMPT is ")[1].split()[0]) + 200 > 4096 and "speculative" not in result.stdout
+
+
+def test_evaluate_refuses_an_answer_length_past_the_targets_context_before_scoring(tiny):
+    common = [tiny.checkpoint, "--target", tiny.target_json, "--shards", tiny.val, "--device", "cpu"]
+    assert_one_line_error(invoke("evaluate", *common, "--max-new-tokens", 4096),
+                          "command line: key 'evaluate.max_new_tokens' plus a val prompt must fit the target's context, 4096 tokens")
+    line = assert_one_line_error(invoke("evaluate", *common, "--prompts", tiny.generated, "--max-new-tokens", 4095),
+                                 "command line: key 'evaluate.max_new_tokens' (4095) plus val prompt ",
+                                 "must fit the target's context, 4096 tokens (its max_position_embeddings, in target.json), got 4095")
+    assert f"{tiny.generated / 'val.parquet'} (" in line
 
 
 def test_generate_takes_the_mode_evaluate_measured_fastest_and_says_why(tmp_path):

@@ -181,3 +181,31 @@ def test_a_layer_choice_the_target_refuses_names_the_params_file(tmp_path):
     with pytest.raises(PipelineError) as error:
         resolve_layer_ids(load_params(path).capture, 4, source=str(path))
     _assert_one_line_naming(error.value, path, "capture.layer_ids", 9)
+
+
+# ----------------------------------------------------------------------------- the target's context
+
+
+@pytest.mark.parametrize("section, key, value, within", [
+    ("generate", "max_prompt_tokens", 8000, 7936),  # + generate.max_new_tokens 256 > 8192
+    ("capture", "max_length", 8193, 8192),
+    ("evaluate", "max_new_tokens", 8192, 8191),
+], ids=lambda value: str(value))
+def test_settings_past_the_targets_context_are_one_line_naming_the_file_key_and_limit(section, key, value, within):
+    # generate.max_prompt_tokens: 20000 was accepted for a target whose max_position_embeddings is 8192.
+    config = dataclasses.replace(SECTIONS[section](), **{key: value})
+    with pytest.raises(PipelineError) as error:
+        config.validate_context(8192, OTHER_NAME)
+    message = str(error.value)
+    assert message.startswith(f"{OTHER_NAME}: key '{section}.{key}' ") and message.endswith(f", got {value!r}"), message
+    assert "8192 tokens (its max_position_embeddings, in target.json)" in message and "\n" not in message
+    dataclasses.replace(SECTIONS[section](), **{key: within}).validate_context(8192, OTHER_NAME)
+    config.validate_context(None, OTHER_NAME)  # a target.json that records no context: nothing to check against
+
+
+def test_the_shipped_params_fit_the_embedded_targets_context():
+    from dflash_pipeline.config import load_params
+
+    params = load_params(REPO_ROOT / "params.yaml")
+    for section in (params.generate, params.capture, params.evaluate):
+        section.validate_context(8192, "params.yaml")  # SmolLM2-135M-Instruct's max_position_embeddings

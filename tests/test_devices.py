@@ -1,10 +1,40 @@
-"""devices.py on the CPU: bf16 only where the device computes in it, timing that waits for the
-device, and the chip's bf16 peak for model FLOPs utilisation."""
+"""devices.py on the CPU: the one check of a chosen device, bf16 only where the device computes
+in it, timing that waits for the device, and the chip's bf16 peak for model FLOPs utilisation."""
 
 import pytest
 import torch
 
 from dflash_pipeline import devices
+from dflash_pipeline.errors import PipelineError
+
+
+def test_the_default_device_is_cuda_only_when_present(monkeypatch):
+    assert devices.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.default_device() == "cpu" and devices.checked_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert devices.default_device() == "cuda" and devices.checked_device("auto") == "cuda"
+
+
+def test_a_device_torch_cannot_reach_is_one_line_naming_the_option_and_what_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert devices.checked_device("cpu") == "cpu"
+    for name in ("cuda", "cuda:0", "cuda:3"):
+        with pytest.raises(PipelineError) as error:
+            devices.checked_device(name, option="--device")
+        assert str(error.value).startswith(f"--device {name}: ") and str(error.value).endswith("available here: auto, cpu")
+    for name in ("tpu", "gpu", "cuda:", "cuda:x", "CPU", ""):
+        with pytest.raises(PipelineError, match=r"^--dev '.*': not a device \(auto, cpu, cuda, cuda:N\); available here: auto, cpu$"):
+            devices.checked_device(name, option="--dev")
+
+
+def test_cuda_n_is_checked_against_the_device_count(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [devices.checked_device(name) for name in ("cuda", "cuda:0", "cuda:1")] == ["cuda", "cuda:0", "cuda:1"]
+    with pytest.raises(PipelineError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\); "
+                                            r"available here: auto, cpu, cuda, cuda:0, cuda:1$"):
+        devices.checked_device("cuda:2")
 
 
 def test_the_bf16_peak_is_none_on_cpu_and_an_override_wins(monkeypatch):

@@ -9,12 +9,14 @@ from conftest import flip_a_byte, strict_json_load
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import (
     atomic_path,
+    csv_cell,
     digest_problem,
     format_bytes,
     json_text,
     read_json,
     reuse_or_reset,
     sha256_file,
+    write_csv_atomic,
     write_json_atomic,
     write_text_atomic,
 )
@@ -86,6 +88,21 @@ def test_every_json_file_is_strict_json_with_null_for_undefined_numbers(tmp_path
     write_json_atomic(tmp_path / "m.json", data)
     assert strict_json_load(tmp_path / "m.json") == {"tau_ci95": None, "slots": [0.5, None], "low": None, "nested": {"x": [1, 2.5]}}
     assert json_text({"b": 1, "a": float("nan")}, sort_keys=False) == '{\n  "b": 1,\n  "a": null\n}\n'
+
+
+def test_every_csv_file_spells_an_undefined_number_as_an_empty_cell(tmp_path):
+    # pandas and `dvc plots` read a bare `inf` as a number; an empty cell is a missing value, as null is in JSON.
+    import numpy as np
+    import pandas as pd
+
+    rows = [{"step": 1, "tau": 1.5, "tau_ci95": float("inf"), "slot": np.float32("nan"), "name": "a"},
+            {"step": 2, "tau": None, "tau_ci95": 0.25, "name": "n/a"}]  # the second row lacks "slot"
+    write_csv_atomic(tmp_path / "c.csv", ["step", "tau", "tau_ci95", "slot", "name"], rows)
+    assert (tmp_path / "c.csv").read_text() == "step,tau,tau_ci95,slot,name\n1,1.5,,,a\n2,,0.25,,n/a\n"
+    frame = pd.read_csv(tmp_path / "c.csv", keep_default_na=False, na_values=[""])
+    assert frame["tau_ci95"].isna().tolist() == [True, False] and not np.isinf(frame["tau_ci95"].fillna(0)).any()
+    assert [csv_cell(value) for value in (float("-inf"), 0, 0.0, False, "x", np.int64(3))] == ["", 0, 0.0, False, "x", 3]
+    assert not list(tmp_path.glob("*.tmp*"))
 
 
 def test_a_digest_names_the_damaged_or_missing_file_and_nothing_recorded_checks_nothing(tmp_path):

@@ -181,6 +181,39 @@ def test_stage_reports_a_bad_prompt_row_as_one_line(tiny_target, tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {prompts}:2: malformed JSON")
 
 
+def test_settings_past_the_targets_context_stop_generate_before_anything_is_written(tiny_target, sample_prompts, tmp_path):
+    # generate.max_prompt_tokens: 20000 was accepted for a target of 8192 positions; a 10,001-token
+    # prompt then ran for minutes and left an empty chunks/.
+    info, _, _, _ = tiny_target
+    assert info.max_position_embeddings == 4096
+    prompt_set = read_prompts(sample_prompts, val_fraction=0.25)
+    with pytest.raises(PipelineError) as error:
+        run_generate(prompt_set, config=_config(max_prompt_tokens=4000, max_new_tokens=200), target=info, out_dir=tmp_path / "out",
+                     source="experiment.yaml")
+    assert str(error.value) == ("experiment.yaml: key 'generate.max_prompt_tokens' plus generate.max_new_tokens (200) must fit the "
+                                "target's context, 4096 tokens (its max_position_embeddings, in target.json), got 4000")
+    assert not (tmp_path / "out").exists()
+    run_generate(prompt_set, config=_config(max_prompt_tokens=4090, max_new_tokens=6), target=info, out_dir=tmp_path / "out")  # fits
+
+
+def test_a_prompt_over_max_prompt_tokens_is_a_bad_row(tiny_target, tmp_path):
+    # It used to be skipped and counted whatever generate.on_bad_row said.
+    info, _, tokenizer, _ = tiny_target
+    prompts = write_jsonl(tmp_path / "long.jsonl", SAMPLE_PROMPTS + [{"prompt": "many words " * 120, "category": "chat"}])
+    line = len(SAMPLE_PROMPTS) + 1
+    prompt_set = read_prompts(prompts, val_fraction=0.25)
+    length = len(render_prompt(tokenizer, prompt_set.prompts[-1], system_prompt=None, enable_thinking=False))
+    assert length > 200
+    with pytest.raises(PipelineError) as error:
+        run_generate(prompt_set, config=_config(max_prompt_tokens=200, on_bad_row="error"), target=info, out_dir=tmp_path / "out")
+    assert str(error.value) == (f"{prompts}:{line}: the prompt is {length} tokens in the target's chat template, longer than "
+                                "generate.max_prompt_tokens (200); shorten it, or skip such rows with generate.on_bad_row: skip")
+    assert not (tmp_path / "out").exists()  # stopped before anything was written
+    summary = run_generate(prompt_set, config=_config(max_prompt_tokens=200, on_bad_row="skip"), target=info, out_dir=tmp_path / "out")
+    assert summary["skipped_rows"] == {"longer than max_prompt_tokens=200": 1}
+    assert sum(summary["prompts"].values()) == len(SAMPLE_PROMPTS)
+
+
 def test_a_prompt_file_that_leaves_a_split_empty_is_refused_before_any_answer(tiny_target, tmp_path):
     # One prompt gives 0 val prompts; it used to pass here and in capture, and train stopped at its
     # first periodic tau with an error labelled `evaluate:`.

@@ -23,6 +23,18 @@ def test_local_folder_is_referenced_not_copied(tiny_llama_dir, tmp_path):
     assert loaded.path == tiny_llama_dir.resolve() and loaded.eos_token_ids == (2,)
 
 
+def test_target_json_records_the_context_length_the_stages_check_against(tiny_llama_dir, tmp_path):
+    info = prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=tmp_path / "target")
+    assert info["max_position_embeddings"] == 4096  # the tiny Llama's config.json
+    assert TargetInfo.from_json(tmp_path / "target" / "target.json").max_position_embeddings == 4096
+    del info["max_position_embeddings"]  # a target.json from before it was recorded: nothing to check against
+    (tmp_path / "target" / "target.json").write_text(json.dumps(info))
+    assert TargetInfo.from_json(tmp_path / "target" / "target.json").max_position_embeddings is None
+    (tmp_path / "target" / "target.json").write_text(json.dumps({**info, "max_position_embeddings": "8k"}))
+    with pytest.raises(PipelineError, match=r"target.json: max_position_embeddings is '8k', expected a whole number >= 1 or null$"):
+        TargetInfo.from_json(tmp_path / "target" / "target.json")
+
+
 def test_a_model_the_stage_wrote_carries_its_digests_and_a_damaged_file_is_refused_in_one_line(tiny_llama_dir, tmp_path):
     # The embedded conversion lies inside the stage's output (data/target/model) and is cached by
     # DVC: target.json records every file's sha256, and opening the target checks them. A user's

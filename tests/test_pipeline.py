@@ -1,6 +1,8 @@
 """The pipeline as users drive it: real `dvc repro` in a fresh git repo on the tiny target."""
 
+import csv
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -165,3 +167,9 @@ def test_a_two_prompt_file_gives_strict_json_everywhere_and_one_spelling_of_no_i
         assert "± n/a" in line, line
     for wrong in ("+- inf", "+- None", "± inf", "± None", "+-"):
         assert wrong not in printed, wrong
+    # ... and an empty cell in every CSV file, which pandas and `dvc plots` read as missing, where `inf` was a number
+    csvs = sorted((repo / "data").rglob("*.csv"))
+    assert {"comparison.csv", "eval_tau_by_step.csv", "train_tau.csv"} <= {p.name for p in csvs}
+    for path in csvs:
+        assert not re.search(r"(^|,)-?(inf|nan)(,|$)", path.read_text(), re.MULTILINE), f"{path}:\n{path.read_text()}"
+    assert next(csv.DictReader((repo / "data" / "plots" / "train_tau.csv").open()))["tau_ci95"] == ""

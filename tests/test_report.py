@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO_ROOT
 from dflash_pipeline.decoding.engine import DecodeRun, EndToEndPrompt, VerifyPlan, summarize_end_to_end
 from dflash_pipeline.evaluate.record import CandidateRecord, Evaluation, Interval, Mismatch
-from dflash_pipeline.evaluate.report import summary_table, to_metrics, write_outputs
+from dflash_pipeline.evaluate.report import console_lines, summary_table, to_metrics, write_outputs
 from dflash_pipeline.evaluate.run import EvaluationResult, choose_and_pair, choose_decoding_mode, summarize_decoding
 from dflash_pipeline.evaluate.scoring import BlockScores, summarize_blocks
 from dflash_pipeline.files import write_metrics
@@ -253,6 +253,88 @@ def test_eval_metrics_with_missing_values_are_strict_json_with_null(tmp_path):
     assert (tmp_path / "eval" / "comparison.csv").read_text().startswith("name,kind,step,path,block_size,num_layers,teacher_forced.tau,")
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"eval_tau_by_step.csv", "eval_slots.csv", "eval_tau.png", "eval_slots.png",
                                                                  "eval_baselines.png"}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # matplotlib, drawing the infinite tau
+def test_an_undefined_value_is_empty_in_every_csv_null_in_json_and_n_a_on_the_console(tmp_path):
+    # One val prompt in a category (or in all): its interval is infinite in memory. The CSVs wrote
+    # `inf`, which pandas and `dvc plots` read as a number, while the JSON had null and the console n/a.
+    import pandas as pd
+
+    evaluation, blocks, greedy = fixed_evaluation()
+    inf, nan = float("inf"), float("nan")
+    chosen = evaluation.chosen_record
+    scored = replace(chosen.teacher_forced, tau=Interval(1.25, inf), slot_acceptance=[0.5, 0.4, nan, nan],
+                     slot_acceptance_conditional=[0.5, nan, nan, nan], categories={"chat": Interval(1.5, inf)},
+                     ddtree_streak={**chosen.teacher_forced.ddtree_streak, 8: Interval(nan, inf)})
+    chain = replace(chosen.decoding.chain, speedup=None, break_even_tau=inf)
+    broken = replace(chosen, teacher_forced=scored, decoding=replace(chosen.decoding, chain=chain))
+    evaluation = replace(evaluation, candidates=[broken if c.name == chosen.name else c for c in evaluation.candidates])
+    result = EvaluationResult(record=evaluation, blocks=blocks, categories=CATEGORIES, prompt_ids=["a", "b", "c", "d"], e2e_results=greedy)
+    write_outputs(result, out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json", plots_dir=tmp_path / "plots")
+
+    csvs = [tmp_path / "eval" / "comparison.csv", *sorted((tmp_path / "plots").glob("*.csv"))]
+    assert {path.name for path in csvs} == {"comparison.csv", "eval_tau_by_step.csv", "eval_slots.csv"}
+    for path in csvs:
+        text = path.read_text()
+        assert not re.search(r"(^|,)-?(inf|nan|NaN|None)(,|$)", text, re.MULTILINE), f"{path.name}:\n{text}"
+        frame = pd.read_csv(path)
+        numbers = frame.select_dtypes("number")
+        assert not np.isinf(numbers.to_numpy(dtype=float)).any(), path.name
+    rows = pd.read_csv(csvs[0]).set_index("name")
+    for column in ("teacher_forced.tau_ci95", "teacher_forced.categories.chat.tau_ci95", "tree.8.streak", "chain.speedup",
+                   "chain.break_even_tau"):
+        assert np.isnan(rows.loc["step_000200", column]), column
+    assert rows.loc["step_000200", "teacher_forced.tau"] == 1.25
+    by_step = pd.read_csv(tmp_path / "plots" / "eval_tau_by_step.csv").set_index("step")
+    assert np.isnan(by_step.loc[200, "tau_ci95"]) and np.isnan(by_step.loc[200, "ddtree8_streak"])
+    assert pd.read_csv(tmp_path / "plots" / "eval_slots.csv")["acceptance"].isna().tolist() == [False, True, True, True]
+
+    details = strict(tmp_path / "eval" / "details.json")
+    assert details["teacher_forced"]["categories"]["chat"]["tau_ci95"] is None and details["chain"]["speedup"] is None
+    chosen_row = next(line for line in summary_table(evaluation).splitlines() if "step_000200" in line)
+    assert "inf" not in chosen_row and "nan" not in chosen_row.lower().replace("n/a", "") and chosen_row.count("n/a") >= 3
+    line = console_lines(evaluation)[0]
+    assert "± n/a" in line and "speedup n/a" in line and "break-even tau on this machine n/a" in line and "None" not in line
+
+
+def with_budgets(evaluation: Evaluation, budgets: list[int], *, trees: bool = True) -> Evaluation:
+    """The fixture scored (and, with `trees`, decoded) at these DDTree budgets instead of 4 and 8."""
+    def rebudget(candidate):
+        streak = {budget: Interval(1.0 + budget / 10, 0.1) for budget in budgets}
+        decoding = candidate.decoding
+        if decoding is not None:
+            run = next(iter(decoding.trees.values()))
+            decoding = replace(decoding, trees={budget: run for budget in budgets} if trees else {}, best=None)
+        return replace(candidate, teacher_forced=replace(candidate.teacher_forced, ddtree_streak=streak), decoding=decoding)
+
+    return replace(evaluation, candidates=[rebudget(c) for c in evaluation.candidates])
+
+
+@pytest.mark.parametrize("budgets", [[4, 16], []], ids=["4,16", "none"])
+def test_the_ddtree_columns_follow_the_configured_tree_budgets(budgets, tmp_path):
+    evaluation, blocks, greedy = fixed_evaluation()
+    evaluation = with_budgets(evaluation, budgets)
+    result = EvaluationResult(record=evaluation, blocks=blocks, categories=CATEGORIES, prompt_ids=["a", "b", "c", "d"], e2e_results=greedy)
+    write_outputs(result, out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json", plots_dir=tmp_path / "plots")
+    header = (tmp_path / "plots" / "eval_tau_by_step.csv").read_text().splitlines()[0]
+    assert header == ",".join(["step", "tau", "tau_ci95"] + [f"ddtree{budget}_streak" for budget in budgets])
+    table_header = summary_table(evaluation).splitlines()[0].split()
+    assert [column for column in table_header if column.startswith("ddtree")] == [f"ddtree{budget}_streak" for budget in budgets]
+    comparison = (tmp_path / "eval" / "comparison.csv").read_text().splitlines()[0].split(",")
+    assert sorted({column.split(".")[1] for column in comparison if column.startswith("tree.")}, key=int) == [str(b) for b in budgets]
+
+
+def test_the_console_names_only_the_modes_that_were_decoded():
+    evaluation, _, _ = fixed_evaluation()
+    lines = console_lines(evaluation)
+    assert lines[-1].startswith("evaluate: trees at budget 4: tau ") and " | sampled at T=0.6: tau " in lines[-1]
+    untreed = console_lines(with_budgets(evaluation, [], trees=False))
+    assert untreed[-1].startswith("evaluate: sampled at T=0.6: tau ") and not any("trees at budget" in line for line in untreed)
+    chosen = evaluation.chosen_record
+    plain = replace(evaluation, candidates=[replace(c, decoding=replace(c.decoding, trees={}, sampled={}, best=None))
+                                            if c.name == chosen.name else c for c in evaluation.candidates])
+    assert len(console_lines(plain)) == 1 and "trees" not in console_lines(plain)[0] and "sampled" not in console_lines(plain)[0]
 
 
 def test_an_evaluation_of_baselines_alone_chooses_the_first_and_decodes_nothing():

@@ -737,3 +737,18 @@ def test_shards_of_other_content_at_equal_counts_start_a_fresh_run_saying_what_c
     assert len(said) == 1 and said[0].startswith("train: starting fresh; removing 1 checkpoint(s) of a different run configuration "
                                                  "(shards.train.manifest_sha256 "), said
     assert "shards.val" not in said[0]  # the val shards are the same
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # matplotlib, drawing the infinite interval
+def test_the_training_curves_leave_an_undefined_interval_empty(tmp_path):
+    # One val prompt: the periodic tau has no interval (infinite in memory); train_tau.csv wrote `inf`,
+    # which `dvc plots` and pandas read as a number, while train.json had null.
+    from dflash_pipeline.train.report import write_train_outputs
+
+    curve = [{"step": 1, "loss": 2.5, "slot1_acc": 0.1},
+             {"step": 2, "loss": 2.25, "slot1_acc": float("nan"), "tau": 1.5, "tau_ci95": float("inf"), "slot_accuracy": [0.25, float("nan")]}]
+    result = {"steps": 2, "loss": 2.25, "tau_tf": 1.5, "tau_tf_ci95": float("inf"), "curve": curve, "slot_accuracy": [0.25, float("nan")]}
+    metrics = write_train_outputs(result, metrics_path=tmp_path / "train.json", plots_dir=tmp_path / "plots")
+    assert json.loads((tmp_path / "train.json").read_text())["tau_tf_ci95"] is None and metrics["slot2_acc"] != metrics["slot2_acc"]
+    assert (tmp_path / "plots" / "train_tau.csv").read_text() == "step,tau,tau_ci95,acc_slot1,acc_slot2\n2,1.5,,0.25,\n"
+    assert (tmp_path / "plots" / "train_loss.csv").read_text() == "step,loss,slot1_acc\n1,2.5,0.1\n2,2.25,\n"

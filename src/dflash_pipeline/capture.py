@@ -24,7 +24,12 @@ while a plain output is deleted, which only unlinks (bench/dvc_costs.py). A run 
 that finds a finished `<out>` and no `.partial` starts from it, so its shards are reused as before.
 When DVC serves `<out>` from its run cache instead of running the stage (a rerun after a kill, with
 settings it has seen), a killed run's `.partial` stays behind: `make repro` removes it
-(`dflash-pipeline verify --repair`, README "Recovery").
+(`dflash-pipeline verify --repair`, README "Recovery"). The pipeline cannot remove it on its own:
+a run-cache restore runs none of our code; a folder inside `<out>` would be deleted by DVC before
+every rerun of the stage, with the finished shards it is there to keep; and no stage is sure to
+run after a restore (train is restored too when its inputs are), short of an `always_changed`
+stage, which would make every `dvc status` report a change. Left alone it is still of use: a
+later run with the settings that made it resumes from it.
 
 A shard already there is kept only when its sha256 equals a record made when it was written:
 its `.sha256` file (a run not finished yet) or the previous manifest (a finished one; both are
@@ -565,6 +570,7 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
 
     from dflash_pipeline.target.load import load_target
 
+    config.validate_context(target.max_position_embeddings, source)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     barrier = None

@@ -29,44 +29,15 @@ from dflash_pipeline import __version__
 from dflash_pipeline.config import EvaluateConfig, GenerateConfig, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import format_bytes
-from dflash_pipeline.runtime import default_device, offline_by_default, one_line_errors
+from dflash_pipeline.runtime import OneLineUsage, device_option, offline_by_default, one_line_errors
 
 DEFAULTS = EvaluateConfig()
 GENERATE_DEFAULTS = GenerateConfig()
 EXISTING_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
-DEVICES = ("auto", "cpu", "cuda")
 
 
-def device_option(command):
-    """`--device auto|cpu|cuda` (auto: cuda when available); the command receives the resolved device."""
-
-    def resolve(context, option, value: str) -> str:
-        return default_device() if value == "auto" else value
-
-    return click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True, callback=resolve,
-                        help="Where the models run; auto: cuda when available, else cpu.")(command)
-
-
-class OneLineGroup(click.Group):
-    """A click group whose usage mistakes (missing argument, path that does not exist, bad option
-    value, unknown command) are one line `error: ...` and exit 1, like every other failure."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError as exc:
-            click.echo(exc.ctx.get_help())
-            sys.exit(0)
-        except click.ClickException as exc:
-            hint = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) is not None else ""
-            click.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
-            sys.exit(1)
-        except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
+class OneLineGroup(OneLineUsage, click.Group):
+    """The command group: usage mistakes are one line `error: ...` and exit 1 (`runtime.OneLineUsage`)."""
 
 
 @click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -212,7 +183,8 @@ def evaluate(drafters, target_path, shards_dir, prompts_path, anchors, tree_budg
     capture_output = not (shards_dir / "manifest.json").is_file() and (shards_dir / "val" / "manifest.json").is_file()
     split = shards_dir / "val" if capture_output else shards_dir
     result = run_evaluate(config, target=target_info(target_path), hidden_val_dir=split, generated_val=generated_val(prompts_path),
-                          checkpoint_folders=checkpoints, baseline_dirs=baselines, device=device or default_device(), log=click.echo)
+                          checkpoint_folders=checkpoints, baseline_dirs=baselines, device=device, log=click.echo,
+                          source="command line")
     if out_dir is not None:
         write_outputs(result, out_dir=out_dir, metrics_path=out_dir / "eval.json", plots_dir=out_dir / "plots")
         click.echo(f"evaluate: wrote {out_dir}")
@@ -310,7 +282,9 @@ def verify(root, target_json, generated_dir, hidden_dir, checkpoints_dir, eval_d
 
     DIR is the pipeline's repository (default: here). Prints one line per problem and exits 1
     when there are any. --repair removes each damaged file with the cache objects that are the same
-    file (for a checkpoint, also every newer step: train writes them again), restores a damaged
+    file (for a checkpoint, also every newer step: train writes them again, from the newest step left
+    with its resume state, which only the newest two steps keep, else from the start; it says
+    which), restores a damaged
     cache object from a good copy in the workspace or removes it, and removes leftovers; then
     `dvc pull` (from a remote) or `dvc repro` brings good copies back. `make repro` runs it.
 
@@ -659,7 +633,8 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
              device):
     """Answer PROMPT (one user turn, in the target's chat template) with the drafter, streaming the
     text, then one line: tokens, tokens per step, tokens/s. --compare adds plain decoding of the
-    same prompt; at T = 0 the two answers must be identical.
+    same prompt; at T = 0 the two answers must be identical. A prompt that with --max-new-tokens
+    would run past the target's context (its max_position_embeddings) is refused.
 
     At T = 0 without --tree-budget or --verify-tokens, the mode is the one evaluate measured fastest
     for this drafter (the chain at its verify length or a DDTree budget): recorded in an export's
@@ -700,6 +675,12 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     session = open_session(target, candidate.drafter, device=device)
     prompt_ids = render_prompt(session.tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
                                system_prompt=GENERATE_DEFAULTS.system_prompt, enable_thinking=GENERATE_DEFAULTS.enable_thinking)
+    context = target.max_position_embeddings
+    if context and len(prompt_ids) + max_new_tokens > context:  # decoding on past it runs off what the target was built for
+        session.close()
+        raise PipelineError(f"PROMPT is {len(prompt_ids)} tokens in the target's chat template; with --max-new-tokens {max_new_tokens} "
+                            f"that is {len(prompt_ids) + max_new_tokens}, past the target's context of {context} tokens "
+                            f"(max_position_embeddings in {target_path}): shorten the prompt or lower --max-new-tokens")
     propose = session.proposer(sampling=sampling, tree_budget=tree_budget, verify_tokens=verify_tokens)
     if compare:  # first-call allocations and kernel choice would otherwise fall on the side that runs first
         session.plain(prompt_ids, max_new_tokens=4)

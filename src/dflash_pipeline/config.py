@@ -5,7 +5,9 @@ unknown key, a missing key or a value of the wrong type fails at load with the k
 (`generate.max_new_tokens`), so a typo in `dvc exp run -S` never silently falls back to a default.
 A section's `checks()` lists every value rule it has (tests walk them); every error is one line
 `<params file>: key '<section.key>' <why>, got <value>`, naming the file that was read (the stage
-commands take `--params`, and a file of another name is named as such).
+commands take `--params`, and a file of another name is named as such). The rules the target sets,
+its context length (`max_position_embeddings` in target.json), are a section's
+`context_checks(context)`, checked by `validate_context` where a stage has the target.
 The library itself never reads params.yaml; stage scripts call `load_params` and pass sections on.
 """
 
@@ -47,7 +49,8 @@ class GenerateConfig:
     enable_thinking: bool = False
     # Greedy answer length cap, in tokens.
     max_new_tokens: int = 256
-    # Prompts longer than this (after the chat template) are skipped and counted.
+    # A prompt longer than this (after the chat template) is a bad row (on_bad_row). With
+    # max_new_tokens it must fit the target's context (max_position_embeddings).
     max_prompt_tokens: int = 1024
     # Prompts per forward batch (left padded, similar lengths together).
     batch_size: int = 64
@@ -62,8 +65,15 @@ class GenerateConfig:
             ("batch_size", self.batch_size >= 1, "must be >= 1"),
         ]
 
+    def context_checks(self, context: int) -> list[tuple[str, bool, str]]:
+        return [("max_prompt_tokens", self.max_prompt_tokens + self.max_new_tokens <= context,
+                 f"plus generate.max_new_tokens ({self.max_new_tokens}) must fit the target's context, {_context(context)}")]
+
     def validate(self, source: str) -> None:
         _check(self.checks(), self, "generate", source)
+
+    def validate_context(self, context: int | None, source: str) -> None:
+        _check(self.context_checks(context) if context else [], self, "generate", source)
 
 
 @dataclass(frozen=True)
@@ -100,8 +110,14 @@ class CaptureConfig:
             ("shard_mb", self.shard_mb >= 1, "must be >= 1"),
         ]
 
+    def context_checks(self, context: int) -> list[tuple[str, bool, str]]:
+        return [("max_length", self.max_length <= context, f"must fit the target's context, {_context(context)}")]
+
     def validate(self, source: str) -> None:
         _check(self.checks(), self, "capture", source)
+
+    def validate_context(self, context: int | None, source: str) -> None:
+        _check(self.context_checks(context) if context else [], self, "capture", source)
 
 
 @dataclass(frozen=True)
@@ -228,8 +244,16 @@ class EvaluateConfig:
             ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
         ]
 
+    def context_checks(self, context: int) -> list[tuple[str, bool, str]]:
+        # The val prompts' own lengths are checked where they are read (`evaluate.run.val_prompts`).
+        return [("max_new_tokens", self.num_prompts == 0 or self.max_new_tokens < context,
+                 f"plus a val prompt must fit the target's context, {_context(context)}")]
+
     def validate(self, source: str) -> None:
         _check(self.checks(), self, "evaluate", source)
+
+    def validate_context(self, context: int | None, source: str) -> None:
+        _check(self.context_checks(context) if context else [], self, "evaluate", source)
 
 
 @dataclass(frozen=True)
@@ -257,6 +281,10 @@ class Params:
 
 SECTIONS: dict[str, type] = {"target": TargetConfig, "generate": GenerateConfig, "capture": CaptureConfig, "train": TrainConfig,
                              "evaluate": EvaluateConfig, "export": ExportConfig}
+
+
+def _context(context: int) -> str:
+    return f"{context} tokens (its max_position_embeddings, in target.json)"
 
 
 def _check(checks: list, config: object, section: str, source: str) -> None:

@@ -1,4 +1,5 @@
-"""What depends on the device: where compute runs in bf16, and timing that waits for the device.
+"""What depends on the device: which devices this machine has (the one check of a `--device`
+choice), where compute runs in bf16, and timing that waits for the device.
 
 CUDA runs the drafter under bf16 autocast (the target and its head are stored in bf16 there); the
 CPU computes in fp32 by default so results are exact and reproducible. Tests turn bf16 on for the
@@ -6,12 +7,51 @@ CPU to run the GPU's arithmetic path where no GPU is present.
 """
 
 import os
+import re
 import time
 
 import torch
 
+from dflash_pipeline.errors import PipelineError
+
 # Dense bf16 tensor-core peaks by the vendors' datasheets (SXM parts), TFLOP/s. PEAK_TFLOPS overrides.
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "4090": 165.0}
+
+
+# How a device is named wherever one is chosen (the console command and every stage script):
+# auto is cuda when available, else cpu; cuda:N is the N-th GPU.
+DEVICE_SPELLINGS = ("auto", "cpu", "cuda", "cuda:N")
+
+
+def default_device() -> str:
+    """CUDA when present (bf16 compute there), else CPU (fp32: this CPU class lacks bf16 units)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def available_devices() -> list[str]:
+    """The devices this machine offers, as a `--device` names them."""
+    if not torch.cuda.is_available():
+        return ["auto", "cpu"]
+    return ["auto", "cpu", "cuda", *(f"cuda:{index}" for index in range(torch.cuda.device_count()))]
+
+
+def checked_device(name: str, *, option: str = "--device") -> str:
+    """`name` resolved (auto: `default_device`) once this machine is known to have it: a spelling
+    that is no device, or a device the installed torch cannot reach, is one line naming `option`
+    and what is available, before anything loads or is written."""
+    available = ", ".join(available_devices())
+    spelled = re.fullmatch(r"auto|cpu|cuda(?::(\d+))?", name)
+    if spelled is None:
+        raise PipelineError(f"{option} {name!r}: not a device ({', '.join(DEVICE_SPELLINGS)}); available here: {available}")
+    if name == "auto":
+        return default_device()
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+               else "no CUDA device is visible (CUDA_VISIBLE_DEVICES, the driver)")
+        raise PipelineError(f"{option} {name}: {why}; available here: {available}")
+    if spelled[1] is not None and int(spelled[1]) >= torch.cuda.device_count():
+        raise PipelineError(f"{option} {name}: this machine has {torch.cuda.device_count()} CUDA device(s); available here: {available}")
+    return name
 
 
 def bf16_by_default(device) -> bool:

@@ -2,11 +2,14 @@
 content hashing and digest checks, strict JSON and figures. A killed stage leaves at most a `*.tmp`
 file behind, never a half-written output.
 
-Every JSON file the pipeline writes goes through `json_text` (and so `write_json_atomic`): strict
-JSON, where a value that is not a finite number (a slot no block reached, the interval of a single
-prompt) is written as null, never as NaN or Infinity, which strict readers (DVC's metrics diff
-among them in some versions, jq, JavaScript) reject. Figures are drawn with matplotlib's Agg
-backend, so plots need no browser and no network.
+A value that does not exist (a slot no block reached, the interval of a single prompt: NaN or
+infinite in memory, `undefined`) has one spelling per format, all decided here and in
+`stats.format_interval`: null in JSON, an empty cell in CSV, `n/a` on the console. Every JSON file
+the pipeline writes goes through `json_text` (and so `write_json_atomic`): strict JSON, never NaN
+or Infinity, which strict readers (DVC's metrics diff among them in some versions, jq, JavaScript)
+reject. Every CSV file goes through `write_csv_atomic`, whose cells are `csv_cell`s: pandas and
+`dvc plots` read an empty cell as missing, but a bare `inf` as a number. Figures are drawn with
+matplotlib's Agg backend, so plots need no browser and no network.
 
 A file a later stage trusts carries its sha256 in the JSON beside it (checkpoint.json, a shard
 manifest, target.json, an export's dflash_pipeline.json), or, for a file with no such JSON (the
@@ -52,6 +55,32 @@ def json_text(data, *, sort_keys: bool = True, ensure_ascii: bool = True) -> str
 
 def write_json_atomic(path: Path, data, *, sort_keys: bool = True) -> None:
     write_text_atomic(path, json_text(data, sort_keys=sort_keys))
+
+
+def undefined(value) -> bool:
+    """Whether `value` is a number that does not exist: None, NaN or an infinity (the interval of
+    one prompt, a slot no block reached). Text, flags and finite numbers are defined."""
+    if value is None:
+        return True
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    return not math.isfinite(float(value))
+
+
+def csv_cell(value):
+    """`value` as a CSV cell: an undefined number is an empty cell, anything else is written as is."""
+    return "" if undefined(value) else value
+
+
+def write_csv_atomic(path: Path, columns: list[str], rows: list[dict]) -> None:
+    """A CSV file with the header `columns` and one line per row (a key a row lacks: an empty
+    cell), every cell a `csv_cell`; written atomically: the one way the pipeline spells a CSV file."""
+    import csv
+
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        writer.writerows([csv_cell(row.get(column)) for column in columns] for row in rows)
 
 
 def file_digest(path: Path, algorithm: str = "sha256", chunk: int = 8 << 20) -> str:
@@ -215,8 +244,7 @@ def strict_json(value):
     if isinstance(value, numbers.Integral):
         return int(value)
     if isinstance(value, numbers.Real):
-        number = float(value)
-        return number if math.isfinite(number) else None
+        return None if undefined(value) else float(value)
     if isinstance(value, dict):
         return {key: strict_json(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

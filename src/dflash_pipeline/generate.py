@@ -302,12 +302,18 @@ def _progress_bar(total: int, done: int):
 
 
 def select_prompts(prompt_set: PromptSet, tokenizer, config: GenerateConfig) -> tuple[list[tuple[Prompt, list[int]]], Counter]:
-    """The prompts to answer with their rendered token ids, and the skipped rows by reason."""
+    """The prompts to answer with their rendered token ids, and the skipped rows by reason. A
+    prompt longer than `max_prompt_tokens` in the chat template is a bad row like any other
+    (`on_bad_row`): skipped and counted, or one error naming its file:line."""
     skipped = Counter(prompt_set.skipped)
     selected: list[tuple[Prompt, list[int]]] = []
     for prompt in prompt_set.prompts:
         ids = render_prompt(tokenizer, prompt, system_prompt=config.system_prompt, enable_thinking=config.enable_thinking)
         if len(ids) > config.max_prompt_tokens:
+            if config.on_bad_row == "error":
+                raise PipelineError(f"{prompt_set.source or 'the prompt set'}:{prompt.source_line}: the prompt is {len(ids)} tokens in the "
+                                    f"target's chat template, longer than generate.max_prompt_tokens ({config.max_prompt_tokens}); "
+                                    "shorten it, or skip such rows with generate.on_bad_row: skip")
             skipped[f"longer than max_prompt_tokens={config.max_prompt_tokens}"] += 1
             continue
         selected.append((prompt, ids))
@@ -375,19 +381,23 @@ def run_generate(
     target: TargetInfo,
     out_dir: Path,
     device: str = "cpu",
+    source: str = "params.yaml",
 ) -> dict:
     """Answer every prompt of `prompt_set` (resuming from `out_dir/chunks`); return the summary:
-    summary.json's content plus `this_run` (answers reused and made now, seconds, tokens/s)."""
+    summary.json's content plus `this_run` (answers reused and made now, seconds, tokens/s).
+    `source`: the params file `config` came from, named in configuration errors (settings the
+    target's context cannot hold stop the run before anything is written)."""
     from dflash_pipeline.target.load import load_target
 
+    config.validate_context(target.max_position_embeddings, source)
     check_split_sizes(prompt_set.prompts, prompt_set=prompt_set, config=config, what="prompt(s)")
     model, tokenizer = load_target(target, device=device)
+    selected, skipped = select_prompts(prompt_set, tokenizer, config)  # a bad row stops the run before anything is written
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     settings = generation_settings(config, target, compute_dtype, decoding_engine(model))
     cache = AnswerCache(out_dir / "chunks", settings)
     if cache.discarded:
         print(f"generate: settings changed since the cached answers; discarded {cache.discarded} chunk(s)")
-    selected, skipped = select_prompts(prompt_set, tokenizer, config)
     check_split_sizes([prompt for prompt, _ in selected], prompt_set=prompt_set, config=config,
                       what=f"prompt(s) within max_prompt_tokens {config.max_prompt_tokens}")
     pending = [(p, ids) for p, ids in selected if p.id not in cache.rows]

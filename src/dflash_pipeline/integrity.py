@@ -22,8 +22,10 @@ damaged, in the workspace and in the cache, and `dvc pull` (from a remote) or `d
 (recomputed) brings good copies:
 
 - a damaged file of the run goes, with every cache object that is the same file (a hard link);
-  for a checkpoint, its step folder and every newer step go with it (train resumes from the step
-  before and writes them again, byte for byte on a CPU);
+  for a checkpoint, its step folder and every newer step go with it, and train writes them again,
+  byte for byte on a CPU: from the newest step left that still has its resume state (only the
+  newest two steps keep one, so that is the step before only when the damaged step was the
+  newest), else from the start; `repair` says which;
 - a damaged cache object is restored from its output's good copy when the workspace holds one
   (a separate file whose md5 is the object's name), and removed otherwise;
 - a leftover staging folder goes.
@@ -43,6 +45,7 @@ from pathlib import Path
 from dflash_pipeline.data.shards import SHARD_GLOB, Manifest
 from dflash_pipeline.drafters.checkpoints import (
     INFO_FILE,
+    KEEP_STATES,
     STATE_FOLDER,
     WEIGHTS_FILE,
     read_checkpoint_info,
@@ -350,7 +353,7 @@ def _same_file_objects(cache: Path | None, paths: list[Path]) -> dict[Path, list
 
 def _removal_plan(paths: RunPaths, damaged: list[Path]) -> list[Path]:
     """What goes for `damaged` files: the file itself, or for a checkpoint's file its step folder,
-    its resume state and every newer step's (train continues from the step before)."""
+    its resume state and every newer step's (train then continues as `where_train_continues` says)."""
     plan: list[Path] = []
     checkpoints = paths.checkpoints.resolve()
     for path in damaged:
@@ -371,6 +374,17 @@ def _removal_plan(paths: RunPaths, damaged: list[Path]) -> list[Path]:
             if state.stem[5:].isdigit() and int(state.stem[5:]) >= step:
                 plan.append(state)
     return list(dict.fromkeys(plan))
+
+
+def where_train_continues(checkpoints: Path) -> str:
+    """Where the next train run continues once steps were removed: the newest step left that has
+    its resume state, or the start when none has (only the newest KEEP_STATES steps keep one)."""
+    states = {path.stem for path in (checkpoints / STATE_FOLDER).glob("step_*.pt")}
+    resumable = [folder for folder in _steps(checkpoints) if folder.name in states]
+    if resumable:
+        return f"train continues from {resumable[-1].name}, the newest step left with its resume state"
+    return (f"train starts from step 0: no step left has its resume state (only the newest {KEEP_STATES} steps keep one)"
+            if _steps(checkpoints) else "train starts from step 0: no step is left")
 
 
 def _remove(path: Path) -> None:
@@ -415,6 +429,8 @@ def repair(paths: RunPaths, findings: list[Finding]) -> list[str]:
                 holds_damage = any(path == file or path in file.parents for file in damaged)
                 _remove(path)
                 done.append(f"removed {path}" + (" (damaged)" if holds_damage else " (of or after a damaged step: train writes it again)"))
+        if any(path.resolve().is_relative_to(paths.checkpoints.resolve()) for path in plan):
+            done.append(where_train_continues(paths.checkpoints))
         for finding in (f for f in findings if f.kind == "leftover"):
             _remove(finding.path)
             done.append(f"removed leftover {finding.path}")

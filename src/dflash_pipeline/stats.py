@@ -5,14 +5,19 @@ every interval the pipeline reports is taken over prompts: each prompt's blocks 
 first, and the interval is over those per-prompt means. Train's periodic τ, evaluate's τ and the
 comparison between drafters all use these three functions.
 
-An interval that does not exist (one prompt has no spread to measure) is infinite in memory, null
-in every JSON file (`files.strict_json`) and `± n/a` on the console (`format_interval`, the one
-spelling of a value and its interval there).
+An interval that does not exist (one prompt has no spread to measure) is infinite in memory
+(`files.undefined`), null in every JSON file (`files.strict_json`), an empty cell in every CSV file
+(`files.csv_cell`) and `n/a` on the console (`NOT_AVAILABLE`: `format_interval`, the one spelling
+of a value and its interval there, and `console_value` for a table's cells).
 """
 
 import math
 
 import numpy as np
+
+from dflash_pipeline.files import undefined
+
+NOT_AVAILABLE = "n/a"
 
 
 def acceptance_length(correct: np.ndarray) -> np.ndarray:
@@ -59,12 +64,17 @@ def paired_difference(values: np.ndarray, prompt: np.ndarray, reference: np.ndar
     return mean, half, len(differences)
 
 
+def console_value(value):
+    """`value` for a console table or line: an undefined number is "n/a", anything else as is."""
+    return NOT_AVAILABLE if undefined(value) else value
+
+
 def format_interval(mean, half, *, digits: int = 3, signed: bool = False) -> str:
     """"1.234 ± 0.056" for the console; an undefined mean or interval (None, NaN, infinite: one
     prompt has no spread) is "n/a", the same wherever a value and its interval are printed."""
     def shown(value, sign: str) -> str:
-        if value is None or not math.isfinite(float(value)):
-            return "n/a"
+        if undefined(value):
+            return NOT_AVAILABLE
         return f"{float(value):{sign}.{digits}f}"
 
     return f"{shown(mean, '+' if signed else '')} ± {shown(half, '')}"

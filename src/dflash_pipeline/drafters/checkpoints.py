@@ -268,7 +268,12 @@ def load_resume_state(out_dir: Path, record: dict) -> ResumePoint:
         if not folder.is_dir():
             reason = f"{folder}: checkpoint folder missing"
         elif step not in states:
-            why = "the run stopped before writing it" if step > max(states, default=-1) else f"only the newest {KEEP_STATES} keep one"
+            # A step's state is written before its folder, so a folder without one lost it after:
+            # to the keep-two rule when a newer step was saved, or with the newer steps removed since
+            # (`dflash-pipeline verify --repair` removes a damaged step with every newer one).
+            why = f"only the newest {KEEP_STATES} checkpoints keep one"
+            if not any(other > step for other in states):
+                why += ", and the newer steps that had one were removed"
             reason = f"{state_file}: no resume state ({why})"
         elif damaged:
             reason = damaged

@@ -5,6 +5,7 @@
     write_outputs  data/metrics/eval.json (the headline), data/eval/details.json (every figure),
                    comparison.csv, blocks.parquet, e2e.json, best.json, plot CSVs and PNGs
     summary_table  the printed comparison, one row per drafter
+    console_lines  the lines printed after it: the chosen drafter, its best mode, trees and samples
 
 eval.json holds the chosen checkpoint's headline figures (and a short entry per baseline) so that
 `dvc metrics show` stays a table a person can scan; its headline speedup is `best_mode.speedup`,
@@ -12,18 +13,20 @@ that of the fastest lossless greedy mode, named in `best_mode.mode` ("chain" or 
 beside the chain's own `chain.speedup`; details.json holds every figure under the same
 paths, plus per slot, per category, the cost and time split of each decoding mode, the structured
 mismatches, the architecture's extras and every candidate in full. Nothing reads the keys back:
-readers take the record, or the JSON by section.
+readers take the record, or the JSON by section. A value that does not exist is null in the JSON
+files, an empty cell in the CSV files and `n/a` on the console (`files.csv_cell`, `stats.console_value`);
+the DDTree columns are those of the budgets scored (`evaluate.tree_budgets`).
 """
 
-import csv
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, EndToEnd, Evaluation, Interval
-from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_json_recorded, write_metrics
-from dflash_pipeline.stats import format_interval
+from dflash_pipeline.evaluate.run import describe_best_mode
+from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_csv_atomic, write_json_recorded, write_metrics
+from dflash_pipeline.stats import console_value, format_interval
 
 # What eval.json keeps of each section (details.json keeps everything, under the same paths).
 HEADLINE = {"teacher_forced": ("tau", "tau_ci95", "blocks", "prompts"),
@@ -155,10 +158,7 @@ def write_outputs(result, *, out_dir: Path, metrics_path: Path, plots_dir: Path)
     details = to_metrics(evaluation, detail=True)
     write_metrics(out_dir / "details.json", details)
     rows = [_flat_row(candidate) for candidate in details["candidates"]]
-    with atomic_path(out_dir / "comparison.csv") as tmp, open(tmp, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv_atomic(out_dir / "comparison.csv", list(dict.fromkeys(key for row in rows for key in row)), rows)
     frames = []
     for name, scores in result.blocks.items():
         frame = pd.DataFrame({"drafter": name, "sequence": scores.sequence, "category": [result.categories[s] for s in scores.sequence],
@@ -188,27 +188,31 @@ def write_outputs(result, *, out_dir: Path, metrics_path: Path, plots_dir: Path)
     return metrics
 
 
-def write_plots(evaluation: Evaluation, plots_dir: Path) -> None:
-    """CSV series for `dvc plots` and PNGs that need no browser: tau by step, acceptance by slot,
-    ours against the baselines."""
-    import pandas as pd
+def tree_budgets(evaluation: Evaluation) -> list[int]:
+    """The DDTree budgets the drafters were scored at (`evaluate.tree_budgets`, in its order)."""
+    return list(dict.fromkeys(budget for c in evaluation.candidates for budget in c.teacher_forced.ddtree_streak))
 
+
+def write_plots(evaluation: Evaluation, plots_dir: Path) -> None:
+    """CSV series for `dvc plots` and PNGs that need no browser: tau by step (with the DDTree
+    streak of each scored budget), acceptance by slot, ours against the baselines."""
     plt = pyplot()
     checkpoints = sorted(evaluation.checkpoints, key=lambda c: c.step)
     best = evaluation.chosen_record
     shown = [best] + [b for b in evaluation.baselines if b.name != best.name]
-    by_step = pd.DataFrame([{"step": c.step, "tau": c.teacher_forced.tau.mean, "tau_ci95": c.teacher_forced.tau.ci95,
-                             "ddtree8_streak": _streak(c, 8)} for c in checkpoints], columns=["step", "tau", "tau_ci95", "ddtree8_streak"])
-    with atomic_path(plots_dir / "eval_tau_by_step.csv") as tmp:
-        by_step.to_csv(tmp, index=False)
-    slots = pd.DataFrame({"slot": list(range(1, best.block_size)), "acceptance": best.teacher_forced.slot_acceptance_conditional,
-                          "acceptance_unconditional": best.teacher_forced.slot_acceptance})  # the chosen drafter's; baselines are in the PNG
-    with atomic_path(plots_dir / "eval_slots.csv") as tmp:
-        slots.to_csv(tmp, index=False)
+    streaks = {f"ddtree{budget}_streak": budget for budget in tree_budgets(evaluation)}
+    by_step = [{"step": c.step, "tau": c.teacher_forced.tau.mean, "tau_ci95": c.teacher_forced.tau.ci95,
+                **{column: _streak(c, budget) for column, budget in streaks.items()}} for c in checkpoints]
+    write_csv_atomic(plots_dir / "eval_tau_by_step.csv", ["step", "tau", "tau_ci95", *streaks], by_step)
+    slots = [{"slot": k, "acceptance": conditional, "acceptance_unconditional": unconditional}  # the chosen drafter's; baselines: the PNG
+             for k, (conditional, unconditional) in enumerate(zip(best.teacher_forced.slot_acceptance_conditional,
+                                                                  best.teacher_forced.slot_acceptance), start=1)]
+    write_csv_atomic(plots_dir / "eval_slots.csv", ["slot", "acceptance", "acceptance_unconditional"], slots)
 
     figure, axis = plt.subplots(figsize=(6, 4))
     if checkpoints:
-        axis.errorbar(by_step["step"], by_step["tau"], yerr=by_step["tau_ci95"], marker="o", capsize=3, label="checkpoints")
+        axis.errorbar([row["step"] for row in by_step], [row["tau"] for row in by_step], yerr=[row["tau_ci95"] for row in by_step],
+                      marker="o", capsize=3, label="checkpoints")
     for b in evaluation.baselines:
         axis.axhline(b.teacher_forced.tau.mean, ls="--", lw=1, label=f"baseline {b.name}")
     axis.set(xlabel="training step", ylabel="teacher-forced tau", title="acceptance length by checkpoint (95% CI over prompts)")
@@ -249,18 +253,44 @@ def summary_table(evaluation: Evaluation) -> str:
     rows = []
     for c in evaluation.candidates:
         scored, paired = c.teacher_forced, c.vs_chosen
-        ci95 = scored.tau.ci95
         row = {"name": c.name + (" *" if c.name == evaluation.chosen else ""), "kind": c.kind, "tau": scored.tau.mean,
-               "tau_ci95": ci95 if ci95 is not None and np.isfinite(ci95) else "n/a"}  # one prompt: no interval
+               "tau_ci95": scored.tau.ci95}
         if paired is not None:  # the paired difference to the chosen drafter, with its 95% CI
             row["vs_best"] = format_interval(paired.mean, paired.ci95, digits=4, signed=True)
-        if 8 in scored.ddtree_streak:
-            row["ddtree8_streak"] = scored.ddtree_streak[8].mean
+        row.update({f"ddtree{budget}_streak": streak.mean for budget, streak in scored.ddtree_streak.items()})
         row["slot1_acc"] = scored.slot_acceptance[0]
         if c.decoding is not None:
             chain = c.decoding.chain
             row.update(e2e_tau=chain.tau.mean, speedup=chain.speedup, lossless_rate=chain.lossless_rate, break_even_tau=chain.break_even_tau)
             if c.decoding.best is not None:  # the fastest lossless greedy mode, which may be the chain itself
                 row.update(best_mode=c.decoding.best.mode or "none", best_speedup=c.decoding.best.speedup)
-        rows.append(row)
+        rows.append({key: console_value(value) for key, value in row.items()})  # one prompt: no interval, "n/a"
     return pd.DataFrame(rows, columns=list(dict.fromkeys(key for row in rows for key in row))).to_string(index=False)
+
+
+def console_lines(evaluation: Evaluation) -> list[str]:
+    """What the stage prints after the table: the chosen drafter with its teacher-forced τ and
+    greedy chain; its best decoding mode; each tree budget's and each temperature's end-to-end
+    figures, each part only where something was decoded."""
+    chosen = evaluation.chosen_record
+    scored, decoding = chosen.teacher_forced, chosen.decoding
+    line = f"evaluate: chosen {chosen.name} (teacher-forced tau {format_interval(scored.tau.mean, scored.tau.ci95, digits=4)})"
+    if decoding is not None:
+        chain = decoding.chain
+        line += (f"; end-to-end tau {console_value(chain.tau.mean)}, speedup {console_value(chain.speedup)} (break-even tau on this "
+                 f"machine {console_value(chain.break_even_tau)}), lossless rate {console_value(chain.lossless_rate)}")
+    lines = [line]
+    if decoding is not None and decoding.best is not None:
+        lines.append(f"evaluate: chosen {chosen.name}: {describe_best_mode(decoding.best)} on {decoding.best.machine}")
+    if decoding is not None:
+        parts = []
+        if decoding.trees:
+            parts.append("trees at budget " + "; ".join(
+                f"{budget}: tau {console_value(run.tau.mean)}, speedup {console_value(run.speedup)}, verify cost "
+                f"{console_value(run.verify_cost_steps)} steps" for budget, run in decoding.trees.items()))
+        if decoding.sampled:
+            parts.append("sampled at " + "; ".join(f"T={temperature:g}: tau {console_value(run.tau.mean)}, speedup {console_value(run.speedup)}"
+                                                   for temperature, run in decoding.sampled.items()))
+        if parts:
+            lines.append("evaluate: " + " | ".join(parts))
+    return lines

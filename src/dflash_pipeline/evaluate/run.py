@@ -156,6 +156,17 @@ def val_prompts(generated_val: Path, count: int) -> list[tuple[str, list[int]]]:
     return chosen
 
 
+def check_decoding_context(prompts: list[tuple[str, list[int]]], *, max_new_tokens: int, context: int | None, generated_val: Path,
+                           source: str) -> None:
+    """Refuse, in one line naming `source` and the key, to decode a val prompt whose answer of
+    `max_new_tokens` would run past the target's context (`context`: None checks nothing)."""
+    for prompt_id, ids in prompts if context else []:
+        if len(ids) + max_new_tokens > context:
+            raise PipelineError(f"{source}: key 'evaluate.max_new_tokens' ({max_new_tokens}) plus val prompt {prompt_id} of "
+                                f"{generated_val} ({len(ids)} tokens) must fit the target's context, {context} tokens (its "
+                                f"max_position_embeddings, in target.json), got {max_new_tokens}")
+
+
 @dataclass
 class EvaluationResult:
     """Everything the evaluate stage measured: the typed record, and the raw material of the
@@ -322,8 +333,12 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
     Checkpoints: `checkpoint_folders` when given (any folders with checkpoint.json), else those of
     `checkpoints_dir` chosen by `config.checkpoints`. Baselines: `baseline_dirs`, else `config.baselines`.
     """
+    config.validate_context(target.max_position_embeddings, source)
     if generated_val is not None and Path(generated_val).is_file():
         check_recorded_digest(generated_val)  # its categories and prompts are read below; generate recorded its sha256
+    if config.num_prompts > 0 and generated_val is not None:  # before any scoring: decoding comes last
+        check_decoding_context(val_prompts(generated_val, config.num_prompts), max_new_tokens=config.max_new_tokens,
+                               context=target.max_position_embeddings, generated_val=generated_val, source=source)
     val_set = open_split(hidden_val_dir, expected_fingerprint=target.fingerprint)
     manifest = val_set.manifest
     if checkpoint_folders is not None:

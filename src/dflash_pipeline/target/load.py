@@ -11,8 +11,8 @@ finds only the other spelling falls back to a default without a word: a user's f
 spellings make the two versions read different values is refused (the embedded conversion writes
 both).
 
-Output: `target.json`, a small fingerprint (architecture, sizes, dtype and a hash of config,
-weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
+Output: `target.json`, a small fingerprint (architecture, sizes, context length, dtype and a hash
+of config, weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
 different target makes them stale and nothing else does. The DVC cache holds only what the stage
 writes: the embedded default's conversion, never a user's own folder or the Hugging Face cache.
 For a model the stage wrote into its own output (the conversion), target.json also records the
@@ -60,6 +60,9 @@ class TargetInfo:
     dtype: str
     fingerprint: str
     eos_token_ids: tuple[int, ...]
+    # The longest sequence the target was built for (config.json's max_position_embeddings); None
+    # when its config names none, or target.json is from before it was recorded (nothing checked).
+    max_position_embeddings: int | None = None
 
     @classmethod
     def from_json(cls, path: Path) -> "TargetInfo":
@@ -78,6 +81,9 @@ class TargetInfo:
         problem = target_files_problem(path, data)
         if problem:
             raise PipelineError(problem)
+        context = data.get("max_position_embeddings")
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+            raise PipelineError(f"{path}: max_position_embeddings is {context!r}, expected a whole number >= 1 or null")
         return cls(
             path=model_path,
             architecture=data["architecture"],
@@ -88,6 +94,7 @@ class TargetInfo:
             dtype=data["dtype"],
             fingerprint=data["fingerprint"],
             eos_token_ids=tuple(data["eos_token_ids"]),
+            max_position_embeddings=context,
         )
 
 
@@ -222,11 +229,21 @@ def fingerprint_target(model_dir: Path, *, name: str, recorded_path: str) -> dic
         "num_attention_heads": int(text_config.num_attention_heads),
         "num_key_value_heads": int(getattr(text_config, "num_key_value_heads", text_config.num_attention_heads)),
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "max_position_embeddings": _context_length(text_config),
         "dtype": str(dtype).replace("torch.", ""),
         "eos_token_ids": eos_ids,
         "hashes": hashes,
         "fingerprint": _sha256_bytes(json.dumps(hashes, sort_keys=True).encode()),
     }
+
+
+def _context_length(text_config) -> int | None:
+    """The target's context length as its config states it (GPT-2-style configs call it n_positions)."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def prepare_target(config: TargetConfig, *, out_dir: Path) -> dict:

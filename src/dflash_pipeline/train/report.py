@@ -1,11 +1,11 @@
 """The train stage's report: train.json (the final metrics) and the training curves (CSV for
 `dvc plots`, and a PNG of loss and held-out τ). Only `train` runs this module, so editing it
-makes no other stage stale."""
+makes no other stage stale. An interval that does not exist (one val prompt) is null in train.json
+and an empty cell in the CSV files (`files.csv_cell`)."""
 
-import csv
 from pathlib import Path
 
-from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_metrics
+from dflash_pipeline.files import pyplot, save_figure, write_csv_atomic, write_metrics
 
 
 def write_train_outputs(result: dict, *, metrics_path: Path, plots_dir: Path) -> dict:
@@ -20,16 +20,11 @@ def write_train_outputs(result: dict, *, metrics_path: Path, plots_dir: Path) ->
 def write_curves(curve: list[dict], plots_dir: Path) -> None:
     """CSV curves for `dvc plots` (loss per step; τ per evaluation) and a PNG of both."""
     plots_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_path(plots_dir / "train_loss.csv") as tmp, open(tmp, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["step", "loss", "slot1_acc"])
-        writer.writerows([row["step"], row["loss"], row["slot1_acc"]] for row in curve)
+    write_csv_atomic(plots_dir / "train_loss.csv", ["step", "loss", "slot1_acc"], curve)
     evaluated = [row for row in curve if "tau" in row]
-    with atomic_path(plots_dir / "train_tau.csv") as tmp, open(tmp, "w", newline="") as handle:
-        writer = csv.writer(handle)
-        slots = len(evaluated[0]["slot_accuracy"]) if evaluated else 0
-        writer.writerow(["step", "tau", "tau_ci95"] + [f"acc_slot{k + 1}" for k in range(slots)])
-        writer.writerows([row["step"], row["tau"], row["tau_ci95"], *row["slot_accuracy"]] for row in evaluated)
+    slots = len(evaluated[0]["slot_accuracy"]) if evaluated else 0
+    write_csv_atomic(plots_dir / "train_tau.csv", ["step", "tau", "tau_ci95"] + [f"acc_slot{k + 1}" for k in range(slots)],
+                     [{**row, **{f"acc_slot{k + 1}": accuracy for k, accuracy in enumerate(row["slot_accuracy"])}} for row in evaluated])
     plt = pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot([r["step"] for r in curve], [r["loss"] for r in curve], lw=0.8)
