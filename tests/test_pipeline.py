@@ -62,7 +62,7 @@ def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
 def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
     repo = tiny_pipeline
     dvc(repo, "repro")
-    set_params(repo, target={"model": str(tiny_qwen3_dir)})
+    set_params(repo, target={"model": str(tiny_qwen3_dir), "watch": str(tiny_qwen3_dir)})
     again = dvc(repo, "repro")
     for stage in ("target", "generate", "capture"):
         assert f"Running stage '{stage}'" in again.stdout
