@@ -163,30 +163,33 @@ def tiny_sliding_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("tiny-sliding"), config, smollm2_tokenizer_dir)
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0, chat_template: bool = True) -> Path:
-    """A 2-layer, 64-wide random Llama as an F32 GGUF file, with the embedded SmolLM2 GGUF's
-    tokenizer (vocabulary, merges, special ids and, unless `chat_template` is false, chat template):
-    what llama.cpp's converter writes, at the size of a test."""
+def write_tiny_gguf(path: Path, *, architecture: str = "llama", seed: int = 0, chat_template: bool = True) -> Path:
+    """A 2-layer, 64-wide random `architecture` ("llama", or "qwen2" with its q/k/v biases) as an
+    F32 GGUF file, with the embedded SmolLM2 GGUF's tokenizer (vocabulary, merges, special ids and,
+    unless `chat_template` is false, chat template): what llama.cpp's converter writes, at the size
+    of a test."""
     import gguf
     import numpy as np
 
     from dflash_pipeline.target.embedded import embedded_gguf_path
 
     hidden, ffn, heads, kv_heads, layers, vocab = 64, 128, 4, 2, 2, 49152
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), architecture)
     for key, value in {"block_count": layers, "context_length": 4096, "embedding_length": hidden, "feed_forward_length": ffn,
                        "attention.head_count": heads, "attention.head_count_kv": kv_heads, "vocab_size": vocab,
                        "rope.dimension_count": hidden // heads}.items():
-        writer.add_uint32(f"llama.{key}", value)
-    writer.add_float32("llama.rope.freq_base", 100000.0)
-    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        writer.add_uint32(f"{architecture}.{key}", value)
+    writer.add_float32(f"{architecture}.rope.freq_base", 100000.0)
+    writer.add_float32(f"{architecture}.attention.layer_norm_rms_epsilon", 1e-5)
     for key, field in gguf.GGUFReader(embedded_gguf_path()).fields.items():
-        if key.startswith("tokenizer.") and (chat_template or key != "tokenizer.chat_template"):
+        if key == "tokenizer.ggml.pre":  # the pre-tokenizer of the family, as a real file of it names it
+            writer.add_string(key, {"llama": field.contents(), "qwen2": "qwen2"}[architecture])
+        elif key.startswith("tokenizer.") and (chat_template or key != "tokenizer.chat_template"):
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[1] if len(field.types) > 1 else None)
     generator = np.random.default_rng(seed)
 
     def tensor(name, *shape):  # [out, in] as numpy holds it; norms are ones
-        values = generator.standard_normal(shape) * 0.02 if len(shape) > 1 else np.ones(shape)
+        values = generator.standard_normal(shape) * 0.02 if len(shape) > 1 or name.endswith(".bias") else np.ones(shape)
         writer.add_tensor(name, values.astype(np.float32))
 
     tensor("token_embd.weight", vocab, hidden)
@@ -197,6 +200,9 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, chat_template: bool = True) ->
                             ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
                             ("ffn_down", (hidden, ffn))]:
             tensor(f"blk.{i}.{name}.weight", *shape)
+        if architecture == "qwen2":
+            for name, width in [("attn_q", hidden), ("attn_k", kv_heads * hidden // heads), ("attn_v", kv_heads * hidden // heads)]:
+                tensor(f"blk.{i}.{name}.bias", width)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
