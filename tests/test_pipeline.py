@@ -1,6 +1,7 @@
 """The pipeline as users drive it: real `dvc repro` in a fresh git repo on the tiny target."""
 
 import json
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -165,3 +166,34 @@ def test_a_two_prompt_file_gives_strict_json_everywhere_and_one_spelling_of_no_i
         assert "± n/a" in line, line
     for wrong in ("+- inf", "+- None", "± inf", "± None", "+-"):
         assert wrong not in printed, wrong
+
+
+def test_editing_a_file_of_a_local_target_makes_the_target_stage_stale(tiny_pipeline, tiny_llama_dir, tmp_path):
+    # dvc.yaml lists ${target.watch} (the local target folder) as a dependency of the target
+    # stage: an edited file used to leave `dvc status` up to date and target.json silently stale.
+    repo = tiny_pipeline
+    folder = tmp_path / "my-target"
+    shutil.copytree(tiny_llama_dir, folder)
+    set_params(repo, target={"model": str(folder), "watch": "stages/target.py"})
+    forgotten = dvc(repo, "repro", "target", check=False)
+    assert forgotten.returncode != 0
+    assert (f"error: params.yaml: key 'target.watch' must name target.model's local path {str(folder)!r}"
+            in forgotten.stdout + forgotten.stderr)
+    set_params(repo, target={"model": str(folder), "watch": str(folder)})
+    dvc(repo, "repro", "target")
+    assert dvc(repo, "status", "target").stdout.strip().endswith("Data and pipelines are up to date.")
+    before = json.loads((repo / "data" / "target" / "target.json").read_text())
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + "{{ '' }}")
+    status = dvc(repo, "status", "target").stdout
+    assert "target:" in status and "changed deps" in status and f"modified:           {folder}" in status, status
+    assert "Running stage 'target'" in dvc(repo, "repro", "target").stdout
+    after = json.loads((repo / "data" / "target" / "target.json").read_text())
+    assert after["hashes"]["chat_template"] != before["hashes"]["chat_template"] and after["fingerprint"] != before["fingerprint"]
+
+
+def test_the_default_target_keeps_dvc_status_clean(pipeline_repo):
+    # target.watch names stages/target.py for the embedded default (a path that always exists, and
+    # already a dependency): listed twice, it still leaves `dvc status` clean after a run.
+    dvc(pipeline_repo, "repro", "target")
+    assert dvc(pipeline_repo, "status", "target").stdout.strip().endswith("Data and pipelines are up to date.")
