@@ -15,8 +15,9 @@ read as 5.x reads it, and target.json records the RoPE it read (`rope`). A token
 template is refused (generate renders every prompt through it).
 
 Output: `target.json`, a small fingerprint (architecture, sizes, dtype, RoPE, the sliding window
-of any sliding-window layers, and a hash of config, weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
-different target makes them stale and nothing else does. The DVC cache holds only what the stage
+of any sliding-window layers, and a hash of config, weight index, tokenizer and chat template).
+Downstream stages depend on that file alone, so a different target makes them stale and nothing
+else does. The DVC cache holds only what the stage
 writes: the embedded default's conversion, never a user's own folder or the Hugging Face cache.
 For a model the stage wrote into its own output (the conversion), target.json also records the
 sha256 of every file (`files`, outside the fingerprint), and `TargetInfo.from_json`, which every
