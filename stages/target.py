@@ -19,13 +19,15 @@ def main(params_path: Path, out_dir: Path) -> None:
     """Resolve `target.model` and fingerprint it into OUT/target.json."""
     offline_by_default()
     from dflash_pipeline.config import load_params
-    from dflash_pipeline.target.load import prepare_target
+    from dflash_pipeline.target.load import check_watch, prepare_target
 
     params = load_params(params_path)
+    check_watch(params.target, source=str(params_path))
     info = prepare_target(params.target, out_dir=out_dir)
+    window = f", sliding window {info['sliding_window']}: trees are not decoded end to end" if info["sliding_window"] else ""
     click.echo(
         f"target: {info['model']} ({info['architecture']}, {info['num_layers']} layers, hidden {info['hidden_size']}, "
-        f"vocab {info['vocab_size']}, {info['dtype']}) fingerprint {info['fingerprint'][:12]}"
+        f"vocab {info['vocab_size']}, {info['dtype']}{window}) fingerprint {info['fingerprint'][:12]}"
     )
 
 

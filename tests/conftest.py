@@ -147,6 +147,69 @@ def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), config, smollm2_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_sliding_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A 4-layer random Qwen2 whose last two layers attend through a sliding window of 512 (Gemma3-
+    style layer types: full, full, sliding, sliding), with the SmolLM2 tokenizer."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        use_sliding_window=True, sliding_window=512, max_window_layers=2,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    return _save_tiny(tmp_path_factory.mktemp("tiny-sliding"), config, smollm2_tokenizer_dir)
+
+
+def write_tiny_gguf(path: Path, *, architecture: str = "llama", seed: int = 0, chat_template: bool = True) -> Path:
+    """A 2-layer, 64-wide random `architecture` ("llama", or "qwen2" with its q/k/v biases) as an
+    F32 GGUF file, with the embedded SmolLM2 GGUF's tokenizer (vocabulary, merges, special ids and,
+    unless `chat_template` is false, chat template): what llama.cpp's converter writes, at the size
+    of a test."""
+    import gguf
+    import numpy as np
+
+    from dflash_pipeline.target.embedded import embedded_gguf_path
+
+    hidden, ffn, heads, kv_heads, layers, vocab = 64, 128, 4, 2, 2, 49152
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in {"block_count": layers, "context_length": 4096, "embedding_length": hidden, "feed_forward_length": ffn,
+                       "attention.head_count": heads, "attention.head_count_kv": kv_heads, "vocab_size": vocab,
+                       "rope.dimension_count": hidden // heads}.items():
+        writer.add_uint32(f"{architecture}.{key}", value)
+    writer.add_float32(f"{architecture}.rope.freq_base", 100000.0)
+    writer.add_float32(f"{architecture}.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, field in gguf.GGUFReader(embedded_gguf_path()).fields.items():
+        if key == "tokenizer.ggml.pre":  # the pre-tokenizer of the family, as a real file of it names it
+            writer.add_string(key, {"llama": field.contents(), "qwen2": "qwen2"}[architecture])
+        elif key.startswith("tokenizer.") and (chat_template or key != "tokenizer.chat_template"):
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[1] if len(field.types) > 1 else None)
+    generator = np.random.default_rng(seed)
+
+    def tensor(name, *shape):  # [out, in] as numpy holds it; norms are ones
+        values = generator.standard_normal(shape) * 0.02 if len(shape) > 1 or name.endswith(".bias") else np.ones(shape)
+        writer.add_tensor(name, values.astype(np.float32))
+
+    tensor("token_embd.weight", vocab, hidden)
+    tensor("output_norm.weight", hidden)
+    for i in range(layers):
+        for name, shape in [("attn_norm", (hidden,)), ("ffn_norm", (hidden,)), ("attn_q", (hidden, hidden)),
+                            ("attn_k", (kv_heads * hidden // heads, hidden)), ("attn_v", (kv_heads * hidden // heads, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))]:
+            tensor(f"blk.{i}.{name}.weight", *shape)
+        if architecture == "qwen2":
+            for name, width in [("attn_q", hidden), ("attn_k", kv_heads * hidden // heads), ("attn_v", kv_heads * hidden // heads)]:
+                tensor(f"blk.{i}.{name}.bias", width)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 SAMPLE_PROMPTS = [
     {"prompt": "Write a Python function fizzbuzz(n) that returns the FizzBuzz sequence.", "category": "coding"},
     {"prompt": "What is 17 times 23?", "category": "math"},
@@ -224,7 +287,7 @@ def tiny_pipeline(pipeline_repo, tiny_llama_dir):
     write_jsonl(pipeline_repo / "data" / "prompts" / "small.jsonl", SAMPLE_PROMPTS + prompts)
     set_params(
         pipeline_repo,
-        target={"model": str(tiny_llama_dir)},
+        target={"model": str(tiny_llama_dir), "watch": str(tiny_llama_dir)},
         generate={"prompts": "data/prompts/small.jsonl", "max_prompts": 8, "max_new_tokens": 8, "batch_size": 4},
         capture={"layer_ids": [1, 3], "shard_mb": 1},
         # The tiny random target answers every prompt with token 198 repeated: a draft vocabulary of

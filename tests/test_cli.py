@@ -283,16 +283,31 @@ def contract(result) -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in pairs}
 
 
+def dflash_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
+    """A plain-DFlash checkpoint of `checkpoint`'s sizes and record (random weights): step_NNNNNN under `out_dir`'s parent."""
+    from dataclasses import replace
+
+    from dflash_pipeline.drafters.checkpoints import save_checkpoint
+    from dflash_pipeline.drafters.core import DFlashDrafter
+
+    drafter, info = load_checkpoint(checkpoint)
+    own = ("format_version", "step", "drafter", "git_revision", "metrics", "weights_sha256", "resume_state_sha256")
+    plain = DFlashDrafter(replace(drafter.config, architecture="dflash", options=None))
+    return save_checkpoint(out_dir.parent, step=info["step"], drafter=plain, record={k: v for k, v in info.items() if k not in own},
+                           metrics=info["metrics"])
+
+
 def test_show_detects_each_kind_of_folder(tiny, tmp_path):
     fingerprint = TargetInfo.from_json(tiny.target_json).fingerprint
     checkpoint = contract(invoke("show", tiny.checkpoint))
-    assert checkpoint["kind"] == "training checkpoint" and checkpoint["step"] == "4"
+    # the default architecture, DFlash2, named as what it is (it used to read "DFlash drafter")
+    assert checkpoint["kind"] == "training checkpoint of a DFlash2 drafter" and checkpoint["step"] == "4"
     assert checkpoint["target fingerprint"] == fingerprint and checkpoint["target layer ids"] == "[1, 3]"
     assert checkpoint["hidden size"] == "64" and checkpoint["block size"].startswith("4 ") and checkpoint["weights"].startswith("float32")
     assert checkpoint["mask token id"].startswith(str(load_checkpoint(tiny.checkpoint)[0].config.mask_token_id))
 
     exported = contract(invoke("show", tiny.export))
-    assert exported["kind"].startswith("DFlash drafter") and exported["target fingerprint"] == fingerprint
+    assert exported["kind"] == "DFlash2 drafter (serving format)" and exported["target fingerprint"] == fingerprint
     assert str(tiny.checkpoint) in exported["exported from"]
     for key in ("target layer ids", "hidden size", "block size", "mask token id", "vocab size", "drafter layers"):
         assert exported[key] == checkpoint[key], key
@@ -302,6 +317,10 @@ def test_show_detects_each_kind_of_folder(tiny, tmp_path):
     assert split["target layer ids"] == "[1, 3]" and split["sequences"] == "3" and split["feature dtype"] == "bf16"
     both = invoke("show", tiny.hidden)
     assert both.exit_code == 0 and "shard split 'train'" in both.stdout and "shard split 'val'" in both.stdout
+
+    dflash = export_checkpoint(dflash_checkpoint(tiny.checkpoint, tmp_path / "dflash" / "step_000004"), tmp_path / "dflash-export")
+    assert contract(invoke("show", dflash))["kind"] == "DFlash drafter (serving format)"
+    assert contract(invoke("show", tmp_path / "dflash" / "step_000004"))["kind"] == "training checkpoint of a DFlash drafter"
 
     (tmp_path / "empty").mkdir()
     assert_one_line_error(invoke("show", tmp_path / "empty"), "not a checkpoint folder")

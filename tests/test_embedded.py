@@ -210,3 +210,55 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
                                                       eos_ids={2}, feature_dtype="bf16")
                 assert run.tokens == reference.tokens == host.tokens and run.steps == host.steps and max(run.steps) >= 3
     tap.remove()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture, model_class, reads_alike_in_4x", [
+    ("llama", "LlamaForCausalLM", True),  # the generic tokenizer class: both versions' spellings written
+    ("qwen2", "Qwen2ForCausalLM", False),  # transformers 5.x names a Qwen2-specific tokenizer class, kept as it is
+])
+def test_a_local_gguf_file_is_converted_into_the_stage_output_like_the_default(tmp_path, tiny_llama_dir, architecture, model_class,
+                                                                              reads_alike_in_4x):
+    """target.model names a .gguf file: converted by the default's converter into out/model, with
+    the same stamp (reused while the GGUF and the files match), every file's digest in target.json,
+    and the GGUF-loaded model's logits exactly; a later folder target removes the conversion."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from conftest import write_tiny_gguf
+    from dflash_pipeline.target.load import load_target
+
+    tiny_gguf = write_tiny_gguf(tmp_path / f"tiny-{architecture}.F32.gguf", architecture=architecture)
+    out = tmp_path / "target"
+    info = prepare_target(TargetConfig(model=str(tiny_gguf)), out_dir=out)
+    assert (info["path"], info["architecture"], info["num_layers"], info["hidden_size"]) == ("model", model_class, 2, 64)
+    assert info["rope"] == {"rope_theta": 100000.0, "rope_type": "default"} and info["sliding_window"] is None
+    assert "model/model.safetensors" in info["files"] and "model/conversion.json" in info["files"]
+    stamp = json.loads((out / "model" / "conversion.json").read_text())
+    assert (stamp["source"], stamp["gguf_sha256"], stamp["conversion_version"]) == (tiny_gguf.name, sha256_file(tiny_gguf),
+                                                                                   CONVERSION_VERSION)
+    assert stamp["reads_alike_in_transformers_4x"] is reads_alike_in_4x
+    converted, tokenizer = load_target(TargetInfo.from_json(out / "target.json"))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32).eval()
+    ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=0, atol=0)
+    weights_written = (out / "model" / "model.safetensors").stat().st_mtime_ns
+    assert prepare_target(TargetConfig(model=str(tiny_gguf)), out_dir=out) == info
+    assert (out / "model" / "model.safetensors").stat().st_mtime_ns == weights_written  # reused, not converted again
+    assert prepare_target(TargetConfig(model=str(tiny_llama_dir)), out_dir=out)["path"] == str(tiny_llama_dir.resolve())
+    assert sorted(path.name for path in out.iterdir()) == ["target.json"]
+
+
+@pytest.mark.slow
+def test_a_gguf_without_a_chat_template_is_refused_in_one_line(tmp_path):
+    from conftest import write_tiny_gguf
+    from dflash_pipeline.errors import PipelineError
+
+    gguf = write_tiny_gguf(tmp_path / "base.gguf", chat_template=False)
+    with pytest.raises(PipelineError) as error:
+        prepare_target(TargetConfig(model=str(gguf)), out_dir=tmp_path / "target")
+    assert str(error.value) == (f"{gguf.resolve()}: no chat template (tokenizer.chat_template); "
+                                "the generate stage renders every prompt through it")
+    assert not (tmp_path / "target").exists()

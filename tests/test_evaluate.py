@@ -616,3 +616,50 @@ def test_sampled_speculative_decoding_commits_only_tokens_the_target_could_sampl
     with torch.no_grad():
         plain_logits = model(input_ids=torch.tensor([prompt + plain.tokens])).logits[0, len(prompt) - 1 : -1]
     assert all(token in plain_logits.topk(3, dim=-1).indices[i].tolist() for i, token in enumerate(plain.tokens))
+
+
+# ----------------------------------------------------------------------------- a target with sliding-window layers
+
+
+def test_a_sliding_window_target_scores_trees_teacher_forced_and_records_why_it_decodes_none(tiny_sliding_dir, tmp_path):
+    """A sliding-window layer's KV cache drops old entries, and tree verification moves the
+    accepted path's entries inside it: evaluate's default tree budgets used to fail after training
+    (`tree verification needs a full-attention KV cache`). target.json records the window, and
+    evaluate knows at its start to decode chains only, saying why in the record; the teacher-forced
+    tree streaks need no target cache and are still scored. `generate --tree-budget` is one line."""
+    from click.testing import CliRunner
+
+    from conftest import write_generated
+    from dflash_pipeline.capture import run_capture
+    from dflash_pipeline.cli import main
+    from dflash_pipeline.config import CaptureConfig, EvaluateConfig, TargetConfig, TrainConfig
+    from dflash_pipeline.evaluate.run import run_evaluate
+    from dflash_pipeline.target.load import TargetInfo, prepare_target
+    from dflash_pipeline.train.run import run_train
+
+    info = prepare_target(TargetConfig(model=str(tiny_sliding_dir)), out_dir=tmp_path / "target")
+    assert info["sliding_window"] == 512
+    target = TargetInfo.from_json(tmp_path / "target" / "target.json")
+    generated = write_generated(tmp_path / "generated", {"train": 8, "val": 2}, prompt_len=(6, 12), answer_len=(10, 20))
+    run_capture(CaptureConfig(layer_ids=[1, 3]), target=target, generated_dir=generated, out_dir=tmp_path / "hidden", device="cpu")
+    run_train(TrainConfig(max_steps=2, eval_every=2, save_every=2, eval_blocks=8, tokens_per_step=200, anchors_per_sequence=4,
+                          train_vocab="full"),
+              target=target, train_dir=tmp_path / "hidden" / "train", val_dir=tmp_path / "hidden" / "val",
+              out_dir=tmp_path / "checkpoints", device="cpu", log=lambda *_: None)
+    logged = []
+    config = EvaluateConfig(checkpoints="final", anchors_per_sequence=4, tree_budgets=[2, 4], num_prompts=1, max_new_tokens=4,
+                            temperatures=[0.0])
+    result = run_evaluate(config, target=target, hidden_val_dir=tmp_path / "hidden" / "val", generated_val=generated / "val.parquet",
+                          checkpoints_dir=tmp_path / "checkpoints", device="cpu", log=logged.append)
+    chosen = result.record.chosen_record
+    assert set(chosen.teacher_forced.ddtree_streak) == {2, 4}  # the streaks, scored on the cached features
+    assert chosen.decoding.trees == {} and chosen.decoding.chain.lossless_rate == 1.0 and chosen.decoding.best.mode == "chain"
+    why = "not decoded: the target has sliding-window layers (sliding window 512), and tree verification needs a full-attention KV cache"
+    assert chosen.decoding.best.refused == {"tree2": why, "tree4": why}
+    assert logged[0] == f"evaluate: evaluate.tree_budgets [2, 4] are scored teacher-forced only, {why}"
+
+    refused = CliRunner().invoke(main, ["generate", "Hi", "--target", str(tmp_path / "target"), "--drafter",
+                                        str(tmp_path / "checkpoints" / "step_000002"), "--tree-budget", "4"])
+    assert refused.exit_code == 1 and refused.stderr.strip().splitlines() == [
+        "error: --tree-budget: the target has sliding-window layers (sliding window 512), and tree verification needs a "
+        "full-attention KV cache (decode with a chain)"]

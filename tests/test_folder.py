@@ -71,16 +71,14 @@ def _theta(config, value):
 @pytest.mark.parametrize("edit, message", [
     (lambda c: {**_theta(c, 100000.0), "rope_theta": 10000.0},
      "rope_theta (10000.0) and rope_parameters.rope_theta (100000.0) disagree"),
-    (lambda c: _theta(c, 100000.0), "transformers 4.x reads rope_theta as 10000.0 (from rope_theta, absent) but 5.x as 100000.0"),
     (lambda c: {**_theta(c, 10000.0), "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
      "rope_scaling ({'rope_type': 'linear', 'factor': 2.0}) and rope_parameters ({'rope_type': 'default'}) disagree"),
-    (lambda c: {**c, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
-     "transformers 4.x reads rope_scaling as {'rope_type': 'default'} (from rope_scaling, absent)"),
-    (lambda c: {**c, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
-     "transformers 4.x reads partial_rotary_factor as 1.0"),
+    (lambda c: {**c, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                "partial_rotary_factor": 1.0},
+     "partial_rotary_factor (1.0) and rope_parameters.partial_rotary_factor (0.5) disagree"),
     (lambda c: {**c, "torch_dtype": "bfloat16"}, "torch_dtype ('bfloat16') and dtype ('float32') disagree"),
-], ids=["theta-both-differ", "theta-only-5x", "scaling-vs-parameters", "scaling-only-5x", "rotary-fraction-only-5x", "dtype"])
-def test_user_folder_whose_4x_and_5x_spellings_disagree_is_refused(tiny_llama_dir, tmp_path, edit, message):
+], ids=["theta", "scaling-vs-parameters", "rotary-fraction", "dtype"])
+def test_user_folder_whose_two_spellings_disagree_is_refused(tiny_llama_dir, tmp_path, edit, message):
     folder = tiny_with_config(tiny_llama_dir, tmp_path / "model", edit)
     with pytest.raises(PipelineError) as error:
         prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")
@@ -100,6 +98,33 @@ def test_user_folder_whose_4x_and_5x_spellings_disagree_is_refused(tiny_llama_di
 def test_user_folder_that_reads_the_same_under_4x_and_5x_is_accepted(tiny_llama_dir, tmp_path, edit):
     folder = tiny_with_config(tiny_llama_dir, tmp_path / "model", edit)
     assert prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")["num_layers"] == 4
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 1000000.0},  # Qwen2.5's base, as transformers 5.x saves it
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+], ids=["theta", "scaling", "rotary-fraction"])
+def test_a_folder_saved_by_transformers_5x_is_accepted_and_target_json_records_the_rope_it_read(tiny_llama_dir, tmp_path,
+                                                                                                  rope_parameters):
+    """transformers 5.x saves RoPE under rope_parameters alone, which 4.x never reads (it would use
+    base 10,000 and no scaling). The pipeline runs on 5.x: the folder is accepted, read as 5.x reads
+    it, and target.json records that RoPE, the same as for the folder spelled for both versions."""
+    from transformers import AutoConfig
+
+    saved = tmp_path / "saved-by-5x"
+    shutil.copytree(tiny_llama_dir, saved)
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    config.rope_parameters = dict(rope_parameters)
+    config.save_pretrained(saved)
+    written = json.loads((saved / "config.json").read_text())
+    assert "rope_theta" not in written and "rope_scaling" not in written and written["rope_parameters"] == rope_parameters
+    info = prepare_target(TargetConfig(model=str(saved)), out_dir=tmp_path / "t")
+    assert info["rope"] == rope_parameters and info["num_layers"] == 4
+    both = tiny_with_config(saved, tmp_path / "both", lambda config: with_both_spellings(config, where=saved / "config.json"))
+    spelled_twice = prepare_target(TargetConfig(model=str(both)), out_dir=tmp_path / "t-both")
+    assert spelled_twice["rope"] == info["rope"]  # one reading, whichever spelling the folder used
+    assert spelled_twice["fingerprint"] != info["fingerprint"]  # other config.json bytes: another fingerprint
 
 
 def test_tokenizer_config_is_respelled_for_4x_and_a_class_it_cannot_vouch_for_is_refused(tmp_path):

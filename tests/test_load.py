@@ -125,3 +125,33 @@ def test_layer_id_i_is_output_hidden_states_i_plus_1(tiny_llama_target):
     for layer_id in layer_ids:
         assert torch.equal(tap.outputs[layer_id], reference.hidden_states[layer_id + 1]), layer_id
     assert not torch.equal(tap.outputs[0], reference.hidden_states[0])  # not the embeddings
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line(tiny_llama_dir, tmp_path):
+    # A base model's folder: generate renders every prompt through the chat template, and used to
+    # fail there with a long apply_chat_template traceback (json.dumps(None) is the non-empty "null").
+    folder = tmp_path / "base-model"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "chat_template.jinja").unlink()
+    with pytest.raises(PipelineError) as error:
+        prepare_target(TargetConfig(model=str(folder)), out_dir=tmp_path / "t")
+    message = str(error.value)
+    assert message.startswith(f"target.model {str(folder)!r}: the tokenizer in {folder.resolve()} has no chat template")
+    assert "generate stage renders every prompt through it" in message and "\n" not in message
+    assert not (tmp_path / "t" / "target.json").exists()
+
+
+def test_a_local_target_must_be_the_path_dvc_watches(tiny_llama_dir, tmp_path, monkeypatch):
+    """dvc.yaml lists ${target.watch} as the target stage's dependency: a local target.model
+    that is not also target.watch would leave DVC blind to edits of its files."""
+    from dflash_pipeline.target.load import check_watch
+
+    params = tmp_path / "experiment.yaml"
+    with pytest.raises(PipelineError) as error:
+        check_watch(TargetConfig(model=str(tiny_llama_dir)), source=str(params))
+    assert str(error.value) == (f"{params}: key 'target.watch' must name target.model's local path {str(tiny_llama_dir)!r}, "
+                                "so that editing one of its files reruns the target stage, got 'stages/target.py'")
+    monkeypatch.chdir(tiny_llama_dir.parent)  # a relative spelling of the same folder is the same path
+    check_watch(TargetConfig(model=str(tiny_llama_dir), watch=tiny_llama_dir.name), source=str(params))
+    check_watch(TargetConfig(), source=str(params))  # the embedded default has no local files
+    check_watch(TargetConfig(model="someorg/some-model"), source=str(params))  # nor has a hub id

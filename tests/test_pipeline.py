@@ -3,6 +3,7 @@
 import csv
 import json
 import re
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -64,7 +65,7 @@ def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
 def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
     repo = tiny_pipeline
     dvc(repo, "repro")
-    set_params(repo, target={"model": str(tiny_qwen3_dir)})
+    set_params(repo, target={"model": str(tiny_qwen3_dir), "watch": str(tiny_qwen3_dir)})
     again = dvc(repo, "repro")
     for stage in ("target", "generate", "capture"):
         assert f"Running stage '{stage}'" in again.stdout
@@ -173,3 +174,34 @@ def test_a_two_prompt_file_gives_strict_json_everywhere_and_one_spelling_of_no_i
     for path in csvs:
         assert not re.search(r"(^|,)-?(inf|nan)(,|$)", path.read_text(), re.MULTILINE), f"{path}:\n{path.read_text()}"
     assert next(csv.DictReader((repo / "data" / "plots" / "train_tau.csv").open()))["tau_ci95"] == ""
+
+
+def test_editing_a_file_of_a_local_target_makes_the_target_stage_stale(tiny_pipeline, tiny_llama_dir, tmp_path):
+    # dvc.yaml lists ${target.watch} (the local target folder) as a dependency of the target
+    # stage: an edited file used to leave `dvc status` up to date and target.json silently stale.
+    repo = tiny_pipeline
+    folder = tmp_path / "my-target"
+    shutil.copytree(tiny_llama_dir, folder)
+    set_params(repo, target={"model": str(folder), "watch": "stages/target.py"})
+    forgotten = dvc(repo, "repro", "target", check=False)
+    assert forgotten.returncode != 0
+    assert (f"error: params.yaml: key 'target.watch' must name target.model's local path {str(folder)!r}"
+            in forgotten.stdout + forgotten.stderr)
+    set_params(repo, target={"model": str(folder), "watch": str(folder)})
+    dvc(repo, "repro", "target")
+    assert dvc(repo, "status", "target").stdout.strip().endswith("Data and pipelines are up to date.")
+    before = json.loads((repo / "data" / "target" / "target.json").read_text())
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + "{{ '' }}")
+    status = dvc(repo, "status", "target").stdout
+    assert "target:" in status and "changed deps" in status and f"modified:           {folder}" in status, status
+    assert "Running stage 'target'" in dvc(repo, "repro", "target").stdout
+    after = json.loads((repo / "data" / "target" / "target.json").read_text())
+    assert after["hashes"]["chat_template"] != before["hashes"]["chat_template"] and after["fingerprint"] != before["fingerprint"]
+
+
+def test_the_default_target_keeps_dvc_status_clean(pipeline_repo):
+    # target.watch names stages/target.py for the embedded default (a path that always exists, and
+    # already a dependency): listed twice, it still leaves `dvc status` clean after a run.
+    dvc(pipeline_repo, "repro", "target")
+    assert dvc(pipeline_repo, "status", "target").stdout.strip().endswith("Data and pipelines are up to date.")

@@ -362,8 +362,10 @@ def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
     if problem:
         raise PipelineError(problem)
     metrics = info.get("metrics") or {}
-    lines = [("kind", "training checkpoint"), ("step", info.get("step")), ("target fingerprint", info.get("target_fingerprint"))]
-    lines += drafter_lines(DrafterConfig.from_dict(info["drafter"]))
+    config = DrafterConfig.from_dict(info["drafter"])
+    lines = [("kind", f"training checkpoint of a {config.member.title} drafter"), ("step", info.get("step")),
+             ("target fingerprint", info.get("target_fingerprint"))]
+    lines += drafter_lines(config)
     checked = "; sha256 matches checkpoint.json" if info.get("weights_sha256") else ""
     lines += [("weights", weights_line([folder / "model.safetensors"]) + checked),
               ("metrics", ", ".join(f"{k} {v}" for k, v in sorted(metrics.items())) or None),
@@ -384,7 +386,7 @@ def drafter_contract(folder: Path) -> list[tuple[str, object]]:
     source = (provenance or {}).get("source") or {}
     if provenance is not None:
         config = replace(config, extra=(provenance.get("drafter") or {}).get("extra") or {})
-    lines = [("kind", "DFlash drafter (serving format)"),
+    lines = [("kind", f"{config.member.title} drafter (serving format)"),
              ("target fingerprint", source.get("target_fingerprint") or "unknown (not exported by this pipeline)")]
     if source.get("checkpoint"):
         lines.append(("exported from", f"{source['checkpoint']} (step {source.get('step')})"))
@@ -656,6 +658,9 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     if tree_budget is not None and (temperature > 0 or verify_tokens is not None):
         raise PipelineError("--tree-budget: tree verification is greedy and verifies the whole tree (drop --temperature / --verify-tokens)")
     target = target_info(target_path)
+    if tree_budget is not None and target.sliding_window is not None:
+        raise PipelineError(f"--tree-budget: the target has sliding-window layers (sliding window {target.sliding_window}), "
+                            "and tree verification needs a full-attention KV cache (decode with a chain)")
     kind = folder_kind(drafter_dir)
     if kind not in ("checkpoint", "drafter"):
         raise PipelineError(f"{drafter_dir}: a shard folder, not a drafter (checkpoint.json or config.json)")

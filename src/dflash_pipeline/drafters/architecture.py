@@ -39,6 +39,7 @@ class NoOptions:
 
 class Architecture:
     name: str = ""
+    title: str = ""  # how people write its name, e.g. "DFlash2" (`dflash-pipeline show`: "DFlash2 drafter")
     public_class: str = ""  # the serving format's `architectures` entry, e.g. "DFlashDraftModel"
     options_type: type = NoOptions  # frozen dataclass: sizes that are part of the drafter (DrafterConfig.options)
     loss_options_type: type = NoOptions  # frozen dataclass: training-only weights (never in the drafter)

@@ -12,6 +12,7 @@ from dflash_pipeline.drafters.architecture import Architecture
 
 class DFlash(Architecture):
     name = "dflash"
+    title = "DFlash"
     public_class = "DFlashDraftModel"
 
 

@@ -233,6 +233,7 @@ SERVING_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selecto
 
 class DFlash2(Architecture):
     name = "dflash2"
+    title = "DFlash2"
     public_class = "DFlash2DraftModel"
     options_type = DFlash2Options
     loss_options_type = DFlash2LossOptions

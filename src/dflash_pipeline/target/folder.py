@@ -4,8 +4,12 @@ spellings, tokenizer_config.json's, and the safetensors weights.
 transformers 4.x and 5.x spell some config fields that change the forward differently: the RoPE
 base and scaling (top-level rope_theta / rope_scaling in 4.x, rope_parameters in 5.x) and the
 dtype (torch_dtype / dtype). A reader that finds only the other spelling falls back to a default
-without a word, and so loads another model. `forward_fields` reads a config as each version does,
-`spelling_conflict` says where they would differ, `with_both_spellings` writes both.
+without a word, and so loads another model. `forward_fields` reads a config as each version does;
+`spelling_conflict` says where two spellings that are both present disagree (refused in any folder:
+readers that prefer one or the other load different models), `fallback_difference` where 4.x,
+finding only 5.x's spelling, would fall back to another value (a folder transformers 5.x saved:
+accepted, since the pipeline runs on 5.x, but never in the embedded conversion, which promises both);
+`with_both_spellings` writes both.
 
 tokenizer_config.json differs too: 5.x names its generic tokenizer class, the one that builds the
 tokenizer from tokenizer.json as it is, "TokenizersBackend", which 4.x's AutoTokenizer does not
@@ -107,19 +111,21 @@ def forward_fields(config: dict, *, reader: str) -> dict:
     return fields
 
 
-def spelling_conflict(config: dict) -> str | None:
-    """Why transformers 4.x and 5.x would load `config` as different models, or None if they agree.
-
-    Two spellings that are both present must agree even where 4.57 and 5.24 happen to read the
-    same one (5.24 prefers a non-null rope_scaling over rope_parameters): readers that take
-    rope_parameters first, as 5.x documents, would compute another forward. A spelling that is
-    absent counts only where the two readers then fall back to different values, e.g. a non-default
-    rope_parameters.rope_theta with no top-level rope_theta, which 4.x reads as 10000.0.
-    """
+def _scopes(config: dict) -> list[tuple[str, dict]]:
     scopes = [("", config)]
     if isinstance(config.get("text_config"), dict):
         scopes.append(("text_config.", config["text_config"]))
-    for prefix, scope in scopes:
+    return scopes
+
+
+def spelling_conflict(config: dict) -> str | None:
+    """Where two spellings of one field are both present and disagree, or None.
+
+    They must agree even where 4.57 and 5.24 happen to read the same one (5.24 prefers a non-null
+    rope_scaling over rope_parameters): readers that take rope_parameters first, as 5.x documents,
+    would compute another forward. A spelling that is absent is `fallback_difference`'s matter.
+    """
+    for prefix, scope in _scopes(config):
         parameters = _given(scope, "rope_parameters")
         nested = _is_per_layer_type(parameters)
         parameters = parameters if isinstance(parameters, dict) and not nested else {}
@@ -136,6 +142,16 @@ def spelling_conflict(config: dict) -> str | None:
                 old_name, new_name = _SPELLINGS[field]
                 return (f"{prefix}{old_name} ({old!r}) and {prefix}{new_name} ({new!r}) disagree; "
                         "transformers 4.x and 5.x would load different models, so give both the same value")
+    return None
+
+
+def fallback_difference(config: dict) -> str | None:
+    """Where transformers 4.x, missing a spelling, would fall back to another value than 5.x reads, or None.
+
+    E.g. a non-default rope_parameters.rope_theta with no top-level rope_theta, which 4.x reads as
+    10000.0: what transformers 5.x saves for a model of its own. The pipeline reads it as 5.x does.
+    """
+    for prefix, scope in _scopes(config):
         old_reading, new_reading = forward_fields(scope, reader="4.x"), forward_fields(scope, reader="5.x")
         for field, (old_name, new_name) in _SPELLINGS.items():
             if old_reading[field] != new_reading[field]:
@@ -145,8 +161,18 @@ def spelling_conflict(config: dict) -> str | None:
     return None
 
 
+def both_versions_problem(config: dict) -> str | None:
+    """Why transformers 4.x and 5.x would load `config` as different models, or None if they agree
+    (what the embedded conversion promises)."""
+    return spelling_conflict(config) or fallback_difference(config)
+
+
 def check_config_spellings(model_dir: Path) -> None:
-    """Refuse a model folder whose config.json transformers 4.x and 5.x would read as different models."""
+    """Refuse a model folder whose config.json has two spellings of one field that disagree.
+
+    A folder with 5.x's spelling alone (what transformers 5.x saves) is accepted: the pipeline runs
+    on 5.x and reads it as 5.x does (target.json records the RoPE it read), though 4.x would not.
+    """
     config_path = model_dir / "config.json"
     config = read_json(config_path, missing="not found")
     if not isinstance(config, dict):
@@ -156,15 +182,19 @@ def check_config_spellings(model_dir: Path) -> None:
         raise PipelineError(f"{config_path}: {conflict}")
 
 
-def with_both_spellings(config: dict, *, where: Path) -> dict:
+def with_both_spellings(config: dict, *, where: Path, keep_per_layer_type: bool = False) -> dict:
     """`config` as transformers 5 writes it, plus the 4.x spelling of every field 4.x names differently.
 
     The values 5.x reads stay the same: a null rope_scaling leaves rope_parameters in charge, and a
     non-null one (a scaled RoPE) carries the same method while the top-level rope_theta supplies the
-    base 5.x then looks for. torch_dtype is ignored by 5.x when dtype is set.
+    base 5.x then looks for. torch_dtype is ignored by 5.x when dtype is set. A per-layer-type
+    rope_parameters (Gemma-style) has no generic 4.x spelling: refused, or with `keep_per_layer_type`
+    left as 5.x wrote it.
     """
     spelled = dict(config)
     parameters = _given(config, "rope_parameters")
+    if parameters and _is_per_layer_type(parameters) and keep_per_layer_type:
+        parameters = None
     if parameters:
         if _is_per_layer_type(parameters):
             raise PipelineError(f"{where}: rope_parameters is per layer type; transformers 4.x has no generic spelling for it")
@@ -176,7 +206,7 @@ def with_both_spellings(config: dict, *, where: Path) -> dict:
     if _given(config, "dtype") is not None:
         spelled["torch_dtype"] = config["dtype"]
     if isinstance(config.get("text_config"), dict):
-        spelled["text_config"] = with_both_spellings(config["text_config"], where=where)
+        spelled["text_config"] = with_both_spellings(config["text_config"], where=where, keep_per_layer_type=keep_per_layer_type)
     return spelled
 
 

@@ -3,17 +3,21 @@
 Input: `TargetConfig.model`, one of
 - the embedded default `smollm2-135m-instruct`, converted once into an fp32 safetensors folder
   (`embedded`);
+- a local `.gguf` file, converted the same way into the same place;
 - a local Hugging Face model folder (used where it is, never copied);
 - a hub id, resolved through the Hugging Face cache (downloads only when HF_HUB_OFFLINE is off).
+A local folder or file is also `TargetConfig.watch`, the path DVC hashes as the stage's dependency
+(`check_watch`), so that editing one of its files makes the stage stale.
 
-transformers 4.x and 5.x spell some config fields differently (`hf_folder`), and a reader that
-finds only the other spelling falls back to a default without a word: a user's folder whose
-spellings make the two versions read different values is refused (the embedded conversion writes
-both).
+transformers 4.x and 5.x spell some config fields differently (`folder`): a user's folder whose
+two spellings of one field disagree is refused; one with 5.x's spelling alone (as 5.x saves it) is
+read as 5.x reads it, and target.json records the RoPE it read (`rope`). A tokenizer without a chat
+template is refused (generate renders every prompt through it).
 
-Output: `target.json`, a small fingerprint (architecture, sizes, context length, dtype and a hash
-of config, weight index, tokenizer and chat template). Downstream stages depend on that file alone, so a
-different target makes them stale and nothing else does. The DVC cache holds only what the stage
+Output: `target.json`, a small fingerprint (architecture, sizes, context length, dtype, RoPE, the
+sliding window of any sliding-window layers, and a hash of config, weight index, tokenizer and chat
+template). Downstream stages depend on that file alone, so a different target makes them stale and
+nothing else does. The DVC cache holds only what the stage
 writes: the embedded default's conversion, never a user's own folder or the Hugging Face cache.
 For a model the stage wrote into its own output (the conversion), target.json also records the
 sha256 of every file (`files`, outside the fingerprint), and `TargetInfo.from_json`, which every
@@ -38,7 +42,7 @@ import torch
 from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import digest_problem, read_json, sha256_file, write_json_atomic
-from dflash_pipeline.target.embedded import convert_embedded
+from dflash_pipeline.target.embedded import GGUF_SUFFIX, convert_embedded, convert_gguf
 from dflash_pipeline.target.folder import check_config_spellings, read_tensors
 
 TARGET_FORMAT_VERSION = 1
@@ -63,6 +67,9 @@ class TargetInfo:
     # The longest sequence the target was built for (config.json's max_position_embeddings); None
     # when its config names none, or target.json is from before it was recorded (nothing checked).
     max_position_embeddings: int | None = None
+    # The window of the target's sliding-window layers (None: every layer attends to all of its
+    # context): such a KV cache drops old entries, and tree verification needs all of them.
+    sliding_window: int | None = None
 
     @classmethod
     def from_json(cls, path: Path) -> "TargetInfo":
@@ -95,6 +102,7 @@ class TargetInfo:
             fingerprint=data["fingerprint"],
             eos_token_ids=tuple(data["eos_token_ids"]),
             max_position_embeddings=context,
+            sliding_window=data.get("sliding_window"),
         )
 
 
@@ -133,15 +141,18 @@ def _hub_offline() -> bool:
 def resolve_target(config: TargetConfig, *, embedded_dir: Path) -> Path:
     """Return a local folder holding the target, converting or downloading as `config` says.
 
-    Fails within seconds, with one line naming what was looked for, when the model is not there.
+    The embedded default and a local .gguf file are converted into `embedded_dir`. Fails within
+    seconds, with one line naming what was looked for, when the model is not there.
     """
     name = config.model
     if name == EMBEDDED_TARGET:
         return convert_embedded(embedded_dir)
     local = Path(name).expanduser()
     if local.exists():
+        if local.is_file() and local.suffix.lower() == GGUF_SUFFIX:
+            return convert_gguf(local.resolve(), embedded_dir, name=name, source=local.name, both_versions=False)
         if not local.is_dir():
-            raise PipelineError(f"target.model {name!r}: is a file, expected a Hugging Face model folder")
+            raise PipelineError(f"target.model {name!r}: is a file, expected a Hugging Face model folder or a {GGUF_SUFFIX} file")
         return _check_model_dir(local.resolve(), repr(name))
     if not HUB_ID.match(name):
         raise PipelineError(
@@ -188,6 +199,16 @@ def _weights_index_hash(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def sliding_window(config) -> int | None:
+    """The smallest window of the layers whose KV cache keeps only the last tokens, or None when
+    every layer keeps all: the layers transformers' DynamicCache makes for this config, read
+    from the cache it builds (sliding-window and chunked attention, any spelling of the config)."""
+    from transformers import DynamicCache
+
+    windows = [layer.sliding_window for layer in DynamicCache(config=config).layers if getattr(layer, "is_sliding", False)]
+    return min(windows) if windows else None
+
+
 def fingerprint_target(model_dir: Path, *, name: str, recorded_path: str) -> dict:
     """Describe the target in a small, deterministic dict (the content of target.json)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -198,9 +219,11 @@ def fingerprint_target(model_dir: Path, *, name: str, recorded_path: str) -> dic
     except (OSError, ValueError, KeyError) as exc:
         raise PipelineError(f"target.model {name!r}: {model_dir} is not loadable ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not tokenizer.chat_template:
+        # json.dumps(None) would be the non-empty "null", and generate would fail on its first prompt.
+        raise PipelineError(f"target.model {name!r}: the tokenizer in {model_dir} has no chat template "
+                            "(tokenizer_config.json chat_template or chat_template.jinja); the generate stage renders every prompt through it")
     chat_template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template, sort_keys=True)
-    if not chat_template:
-        raise PipelineError(f"target.model {name!r}: the tokenizer in {model_dir} has no chat template")
     tokenizer_digest = hashlib.sha256()
     for file_name in TOKENIZER_FILES:
         file = model_dir / file_name
@@ -232,6 +255,9 @@ def fingerprint_target(model_dir: Path, *, name: str, recorded_path: str) -> dic
         "max_position_embeddings": _context_length(text_config),
         "dtype": str(dtype).replace("torch.", ""),
         "eos_token_ids": eos_ids,
+        # What the pipeline read (transformers 5.x), whichever spelling config.json used.
+        "rope": getattr(text_config, "rope_parameters", None),
+        "sliding_window": sliding_window(config),
         "hashes": hashes,
         "fingerprint": _sha256_bytes(json.dumps(hashes, sort_keys=True).encode()),
     }
@@ -246,12 +272,21 @@ def _context_length(text_config) -> int | None:
     return None
 
 
+def check_watch(config: TargetConfig, *, source: str = "params.yaml") -> None:
+    """A local target.model (folder or .gguf file) must also be target.watch, the path dvc.yaml
+    lists as the `target` stage's dependency: else DVC would not see its files change."""
+    local = Path(config.model).expanduser()
+    if config.model != EMBEDDED_TARGET and local.exists() and Path(config.watch).resolve() != local.resolve():
+        raise PipelineError(f"{source}: key 'target.watch' must name target.model's local path {config.model!r}, so that "
+                            f"editing one of its files reruns the target stage, got {config.watch!r}")
+
+
 def prepare_target(config: TargetConfig, *, out_dir: Path) -> dict:
     """Run the `target` stage: resolve the model and write `out_dir/target.json`; return its content."""
     embedded_dir = out_dir / "model"
     model_dir = resolve_target(config, embedded_dir=embedded_dir)
-    if config.model != EMBEDDED_TARGET and embedded_dir.exists():
-        # A conversion left from an earlier default run would only cost hashing time in DVC.
+    if model_dir.resolve() != embedded_dir.resolve() and embedded_dir.exists():
+        # A conversion left from an earlier run would only cost hashing time in DVC.
         shutil.rmtree(embedded_dir)
     try:
         recorded = str(model_dir.resolve().relative_to(out_dir.resolve()))
