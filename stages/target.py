@@ -24,7 +24,7 @@ def main(params_path: Path, out_dir: Path) -> None:
     params = load_params(params_path)
     check_watch(params.target, source=str(params_path))
     info = prepare_target(params.target, out_dir=out_dir)
-    window = f", sliding window {info['sliding_window']}: trees are not decoded end to end" if info["sliding_window"] else ""
+    window = f", sliding window {info['sliding_window']}" if info["sliding_window"] else ""
     click.echo(
         f"target: {info['model']} ({info['architecture']}, {info['num_layers']} layers, hidden {info['hidden_size']}, "
         f"vocab {info['vocab_size']}, {info['dtype']}{window}) fingerprint {info['fingerprint'][:12]}"

@@ -621,12 +621,11 @@ def test_sampled_speculative_decoding_commits_only_tokens_the_target_could_sampl
 # ----------------------------------------------------------------------------- a target with sliding-window layers
 
 
-def test_a_sliding_window_target_scores_trees_teacher_forced_and_records_why_it_decodes_none(tiny_sliding_dir, tmp_path):
-    """A sliding-window layer's KV cache drops old entries, and tree verification moves the
-    accepted path's entries inside it: evaluate's default tree budgets used to fail after training
-    (`tree verification needs a full-attention KV cache`). target.json records the window, and
-    evaluate knows at its start to decode chains only, saying why in the record; the teacher-forced
-    tree streaks need no target cache and are still scored. `generate --tree-budget` is one line."""
+def test_a_sliding_window_target_decodes_trees_end_to_end_losslessly(tiny_sliding_dir, tmp_path):
+    """transformers' sliding-window cache drops old entries, and tree verification moves the
+    accepted path's entries inside the cache: evaluate used to decode chains only on such a target.
+    The static engine keeps every key with its position, so evaluate decodes the trees end to end,
+    lossless, and `generate --tree-budget` answers as plain decoding does."""
     from click.testing import CliRunner
 
     from conftest import write_generated
@@ -652,14 +651,11 @@ def test_a_sliding_window_target_scores_trees_teacher_forced_and_records_why_it_
     result = run_evaluate(config, target=target, hidden_val_dir=tmp_path / "hidden" / "val", generated_val=generated / "val.parquet",
                           checkpoints_dir=tmp_path / "checkpoints", device="cpu", log=logged.append)
     chosen = result.record.chosen_record
-    assert set(chosen.teacher_forced.ddtree_streak) == {2, 4}  # the streaks, scored on the cached features
-    assert chosen.decoding.trees == {} and chosen.decoding.chain.lossless_rate == 1.0 and chosen.decoding.best.mode == "chain"
-    why = "not decoded: the target has sliding-window layers (sliding window 512), and tree verification needs a full-attention KV cache"
-    assert chosen.decoding.best.refused == {"tree2": why, "tree4": why}
-    assert logged[0] == f"evaluate: evaluate.tree_budgets [2, 4] are scored teacher-forced only, {why}"
+    assert set(chosen.teacher_forced.ddtree_streak) == {2, 4}
+    assert set(chosen.decoding.trees) == {2, 4} and chosen.decoding.chain.lossless_rate == 1.0
+    assert all(tree.lossless_rate == 1.0 for tree in chosen.decoding.trees.values())
+    assert not any("sliding" in why for why in chosen.decoding.best.refused.values())
 
-    refused = CliRunner().invoke(main, ["generate", "Hi", "--target", str(tmp_path / "target"), "--drafter",
-                                        str(tmp_path / "checkpoints" / "step_000002"), "--tree-budget", "4"])
-    assert refused.exit_code == 1 and refused.stderr.strip().splitlines() == [
-        "error: --tree-budget: the target has sliding-window layers (sliding window 512), and tree verification needs a "
-        "full-attention KV cache (decode with a chain)"]
+    common = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "checkpoints" / "step_000002"), "--max-new-tokens", "8"]
+    tree = CliRunner().invoke(main, ["generate", "Hi", *common, "--tree-budget", "4", "--compare"])
+    assert tree.exit_code == 0 and "identical answers" in tree.output, tree.output

@@ -15,16 +15,20 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
             for _ in range(count)]
 
 
-def test_the_static_path_serves_llama_targets_on_a_gpu_only(tiny_target, monkeypatch):
+def test_the_static_path_serves_every_target_on_a_gpu_and_refuses_what_it_cannot(tiny_target, monkeypatch):
     """On a CPU transformers' forward measured faster (bench/generate.py --engines); the static
-    loop is for the GPU, where its step is a replayed CUDA graph."""
+    loop is for the GPU, where its step is a replayed CUDA graph. A target it cannot serve is
+    refused in one line naming its model type, never decoded down another path."""
+    from dflash_pipeline.errors import PipelineError
+
     model = tiny_target[0]
     assert supports(model) and decoding_engine(model) == "transformers-dynamic-cache"
     cuda = type("Parameter", (), {"device": torch.device("cuda")})()
     monkeypatch.setattr(model, "parameters", lambda: iter([cuda]))
     assert decoding_engine(model) == "static-kv-cuda-graph"
-    monkeypatch.setattr(model.config, "model_type", "gpt2")
-    assert decoding_engine(model) == "transformers-dynamic-cache"
+    monkeypatch.setattr(model.config, "attn_logit_softcapping", 50.0, raising=False)
+    with pytest.raises(PipelineError, match="model type 'llama' soft-caps attention logits"):
+        decoding_engine(model)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -127,3 +131,104 @@ def test_cuda_turns_cudnn_attention_off_where_the_target_is_loaded(monkeypatch):
     devices.configure_attention("cuda:0")
     assert calls == [False]
     assert "configure_attention(device)" in inspect.getsource(load.load_target)
+
+
+# ----------------------------------------------------------------------------- every layout
+
+def tiny_layout(kind: str, attention: str = "sdpa"):
+    """A 4-layer random causal LM of one layout, vocabulary 1,024, built in memory."""
+    import transformers
+
+    base = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**base),
+        "llama-rope-scaling-bias": lambda: transformers.LlamaConfig(**base, attention_bias=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}),
+        "qwen3": lambda: transformers.Qwen3Config(**base),
+        "qwen2-sliding": lambda: transformers.Qwen2Config(**base, use_sliding_window=True, sliding_window=12, max_window_layers=2),
+        "mistral-sliding": lambda: transformers.MistralConfig(**base, sliding_window=12),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**base, sliding_window=12, final_logit_softcapping=30.0),
+    }
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(configs[kind](), dtype=torch.float32, attn_implementation=attention).eval()
+
+
+@pytest.mark.parametrize("kind,attention", [("llama", "sdpa"), ("llama", "eager"), ("llama-rope-scaling-bias", "sdpa"), ("qwen3", "sdpa"),
+                                            ("qwen2-sliding", "sdpa"), ("mistral-sliding", "sdpa"), ("gemma3", "eager")])
+def test_every_layout_decodes_what_transformers_generate_decodes(kind, attention):
+    """Left-padded rows of a batch, 40 greedy tokens each, past a sliding window of 12 where the
+    layout has one: token for token transformers' own `generate`, one prompt at a time."""
+    model = tiny_layout(kind, attention)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1024, (length,), generator=generator).tolist() for length in (30, 17, 24)]
+    ids, valid = left_padded(prompts, 0)
+    decoder = StaticDecoder(model, batch=3, length=ids.shape[1] + 41, tap_layers=(1, 3))
+    tokens = [decoder.prefill(ids, valid).argmax(-1)]
+    for _ in range(39):
+        tokens.append(decoder.step(tokens[-1]).argmax(-1))
+    got = torch.stack(tokens, 1).tolist()
+    assert decoder.features.shape == (3, 1, 2 * 64)
+    for prompt, row in zip(prompts, got):
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert row == expected[0, len(prompt):].tolist(), kind
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda c: setattr(c, "attn_logit_softcapping", 50.0), "soft-caps attention logits"),
+    (lambda c: setattr(c, "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "rope type ['dynamic']"),
+    (lambda c: setattr(c, "_attn_implementation", "flash_attention_2"), "attention 'flash_attention_2'"),
+    (lambda c: setattr(c, "layer_types", ["full_attention", "linear_attention"] * 2), "layer types ['linear_attention']"),
+])
+def test_a_target_the_engine_cannot_serve_is_refused_in_one_line_naming_its_model_type(change, words):
+    from dflash_pipeline.decoding.static_decoder import check_servable
+    from dflash_pipeline.errors import PipelineError
+
+    model = tiny_layout("qwen3")
+    change(model.config)
+    with pytest.raises(PipelineError, match=r"model type 'qwen3'") as refused:
+        check_servable(model)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(PipelineError):
+        StaticDecoder(model, batch=1, length=8)
+
+
+def test_every_forward_that_passes_a_cache_takes_the_keyword_the_installed_forward_names(monkeypatch):
+    """transformers 5.17 names its cache `past_key_values` and swallows an unknown `cache=` in
+    **kwargs (decoding with no cache, no error): the keyword is read from the forward's signature."""
+    from dflash_pipeline.decoding import static_decoder
+    from dflash_pipeline.errors import PipelineError
+
+    class Newer(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return cache
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return kwargs
+
+    marker = object()
+    for module in (Newer(), Older()):
+        assert module(None, **static_decoder.cache_argument(module, marker)) is marker
+    with pytest.raises(PipelineError, match="takes neither 'cache' nor 'past_key_values'"):
+        static_decoder.cache_argument(Neither(), marker)
+    model = tiny_layout("llama")
+    assert static_decoder.cache_keyword(model) == static_decoder.cache_keyword(model.get_decoder()) == "cache"
+
+
+def test_moving_a_trees_path_moves_its_keys_values_and_their_positions():
+    """A sliding window masks by token position: the positions must travel with the keys."""
+    decoder = StaticDecoder(tiny_layout("qwen2-sliding"), batch=1, length=16)
+    for cache in (decoder.keys, decoder.values):
+        cache.copy_(torch.randn(cache.shape))
+    decoder.key_positions.copy_(torch.tensor([[0, 1, 2, 3, 4, 5, 5, 6, 6, 7, 0, 0, 0, 0, 0, 0]]))  # a tree after column 4
+    keys, values = decoder.keys.clone(), decoder.values.clone()
+    into, source = torch.tensor([5, 6, 7]), torch.tensor([6, 8, 9])  # the path: nodes at columns 6, 8, 9
+    decoder.move_columns(into, source)
+    assert decoder.key_positions[0, :8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert torch.equal(decoder.keys[..., 5:8, :], keys[..., [6, 8, 9], :]) and torch.equal(decoder.values[..., 5:8, :], values[..., [6, 8, 9], :])

@@ -238,3 +238,31 @@ def test_every_phase_compiles_whole_and_never_recompiles_over_64_steps(tiny_targ
     assert torch.equal(eager.answer, compiled.answer)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 3
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2-sliding", "gemma3"])
+@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+def test_every_layout_speculates_token_for_token_what_it_decodes_plainly(kind, mode, monkeypatch):
+    """Qwen3's q/k norms, a sliding window of 12 that a 48-token answer slides past (the tree's
+    accepted path moves keys and their positions inside the static cache, which drops nothing),
+    Gemma3's scaled embeddings, extra norms and final logit soft-cap: chains and trees accept
+    part-way and the answer is plain greedy decoding's, which is transformers' own."""
+    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.target.load import TargetHead
+    from test_static_decoder import tiny_layout
+
+    model = tiny_layout(kind)
+    head = TargetHead(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_attention_heads=4,
+                                          num_key_value_heads=2, head_dim=16, vocab_size=1024, block_size=5,
+                                          target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
+    prompt = torch.randint(3, 1024, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain = static_plain_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert plain.tokens == expected[0, len(prompt):].tolist()
+    install_oracle(monkeypatch, len(prompt), plain.tokens, model.config.vocab_size)
+    run = StaticSpeculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
+    assert run.tokens == plain.tokens
+    assert max(run.steps) >= 3 and min(run.steps) == 1

@@ -658,9 +658,6 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     if tree_budget is not None and (temperature > 0 or verify_tokens is not None):
         raise PipelineError("--tree-budget: tree verification is greedy and verifies the whole tree (drop --temperature / --verify-tokens)")
     target = target_info(target_path)
-    if tree_budget is not None and target.sliding_window is not None:
-        raise PipelineError(f"--tree-budget: the target has sliding-window layers (sliding window {target.sliding_window}), "
-                            "and tree verification needs a full-attention KV cache (decode with a chain)")
     kind = folder_kind(drafter_dir)
     if kind not in ("checkpoint", "drafter"):
         raise PipelineError(f"{drafter_dir}: a shard folder, not a drafter (checkpoint.json or config.json)")

@@ -76,19 +76,22 @@ def decoding_engine(model) -> str:
     so answers of one path are never mixed with another's (they can part at bf16 near-ties).
 
     The static KV loop with a CUDA graph per step on a GPU (where transformers' forward spent
-    ~50 ms of host work per step); transformers' forward on a CPU, where the step is compute and
-    the static loop measured 0.94x its tokens/s with identical answers (bench/generate.py
-    --engines: it attends over the whole cache length and keeps ended rows up to 16 steps)."""
-    from dflash_pipeline.decoding.static_decoder import supports
+    ~50 ms of host work per step), for every target it can serve; one it cannot is refused in one
+    line (`static_decoder.check_servable`), not sent down the slow path. On a CPU transformers'
+    forward, where the step is compute and the static loop measured 0.94x its tokens/s with
+    identical answers (bench/generate.py --engines: it attends over the whole cache length and
+    keeps ended rows up to 16 steps)."""
+    from dflash_pipeline.decoding.static_decoder import check_servable
 
-    on_gpu = next(model.parameters()).device.type == "cuda"
-    return "static-kv-cuda-graph" if on_gpu and supports(model) else "transformers-dynamic-cache"
+    if next(model.parameters()).device.type != "cuda":
+        return "transformers-dynamic-cache"
+    check_servable(model)
+    return "static-kv-cuda-graph"
 
 
 def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, on_step=None) -> list[Answer]:
-    """Greedy-decode a batch of prompts with left padding: on a GPU over a static KV cache where
-    the target's layers allow it (`decoding.static_decoder`), else with transformers' forward
-    (`decoding_engine`). `on_step(new_tokens, finished_rows)` reports progress."""
+    """Greedy-decode a batch of prompts with left padding: on a GPU over a static KV cache
+    (`decoding.static_decoder`), on a CPU with transformers' forward (`decoding_engine`). `on_step(new_tokens, finished_rows)` reports progress."""
     if decoding_engine(model) == "transformers-dynamic-cache":
         return dynamic_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
     return static_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
@@ -167,6 +170,8 @@ def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: 
     import torch
     from transformers import DynamicCache
 
+    from dflash_pipeline.decoding.static_decoder import cache_argument
+
     device = next(model.parameters()).device
     input_ids, attention = left_padded(prompts, pad_id)
     batch = input_ids.shape[0]
@@ -178,7 +183,7 @@ def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: 
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-            cache=cache,
+            **cache_argument(model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -211,7 +216,7 @@ def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: 
                 input_ids=next_tokens[:, None],
                 attention_mask=attention,
                 position_ids=positions[:, None],
-                cache=cache,
+                **cache_argument(model, cache),
                 use_cache=True,
             )
             positions = positions + 1

@@ -13,11 +13,11 @@
 At T = 0 speculative decoding is lossless by construction; `summarize_end_to_end` checks it token
 for token against `greedy_decode` rather than trusting it.
 
-Two loops decode (`speculation_engine` picks one per target, the same for plain and speculative
-decoding): `static_speculation`'s steps, kept whole on the device over static caches, for targets
-with Llama's layers (SmolLM2); and the host loops here (`host_greedy_decode`,
-`host_speculative_decode`) over transformers' forward and DynamicCache for any other target and
-for any `propose` that is not a session's. On the CPU both give the same answers and the same steps.
+Every transformers target decodes on `static_speculation`'s steps, kept whole on the device over
+static caches (`speculation_engine`). The host loops here (`host_greedy_decode`,
+`host_speculative_decode`, over transformers' forward and DynamicCache) serve only stand-ins that
+are no transformers model and any `propose` that is not a session's: the references the static
+steps are tested against. On the CPU both give the same answers and the same steps.
 """
 
 import time
@@ -33,6 +33,7 @@ from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.decoding.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.decoding.static_speculation import DecodeRun, StaticSpeculation, static_forward_costs, static_plain_decode
 from dflash_pipeline.decoding.static_speculation import stored_features as as_stored
+from dflash_pipeline.decoding.static_decoder import cache_argument
 from dflash_pipeline.stats import mean_ci95
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.decoding.trees import DraftTree, tree_attention_mask, tree_positions
@@ -53,12 +54,17 @@ HOST_ENGINE = "transformers-dynamic-cache"  # this module's loops over transform
 
 def speculation_engine(model) -> str:
     """The loop that decodes one prompt at a time with this target (evaluate's end-to-end runs,
-    its plain baseline, the `generate` command): the static step where the target's layers allow
-    it (`static_decoder.supports`), else the host loops here. Plain and speculative decoding
-    always take the same one, so a speedup never compares two kernel paths."""
-    from dflash_pipeline.decoding.static_decoder import supports
+    its plain baseline, the `generate` command): the static step for every transformers target;
+    one it cannot serve is refused in one line (`static_decoder.check_servable`), never sent down
+    another path. Only a stand-in that is no transformers model (a test's scripted target) takes
+    the host loops here. Plain and speculative decoding always take the same one, so a speedup
+    never compares two kernel paths."""
+    from dflash_pipeline.decoding.static_decoder import check_servable
 
-    return STATIC_ENGINE if supports(model) else HOST_ENGINE
+    if getattr(model, "config", None) is None or not callable(getattr(model, "get_decoder", None)):
+        return HOST_ENGINE
+    check_servable(model)
+    return STATIC_ENGINE
 
 
 def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
@@ -87,7 +93,7 @@ def host_greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos
     cache = DynamicCache(config=model.config)
     synchronize(device)
     started = time.perf_counter()
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
     token = next_token(out.logits[0, -1])
     synchronize(device)
     prefilled = time.perf_counter()
@@ -96,7 +102,7 @@ def host_greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos
         on_tokens([token])
     while token not in eos_ids and len(tokens) < max_new_tokens:
         out = model(input_ids=torch.tensor([[token]], device=device), position_ids=torch.tensor([[position]], device=device),
-                    cache=cache, use_cache=True)
+                    **cache_argument(model, cache), use_cache=True)
         token = next_token(out.logits[0, -1])
         tokens.append(token)
         position += 1
@@ -143,7 +149,7 @@ def verify_tree(model, cache, tree: DraftTree, anchor: int, position: int) -> tu
     parameter = next(model.parameters())
     out = model(input_ids=torch.tensor([[anchor] + tree.tokens], device=parameter.device),
                 position_ids=torch.tensor([tree_positions(tree, position)], device=parameter.device),
-                attention_mask=tree_attention_mask(tree, position, parameter.dtype, parameter.device), cache=cache, use_cache=True)
+                attention_mask=tree_attention_mask(tree, position, parameter.dtype, parameter.device), **cache_argument(model, cache), use_cache=True)
     choice = out.logits[0].argmax(-1).tolist()  # the target's token after the anchor (0) and after each node (1 + node)
     path, bonus = tree.walk(lambda node: choice[node + 1])
     keep_path(cache, position + 1, path)
@@ -197,7 +203,7 @@ def host_speculative_decode(model, tap, drafter: DFlashDrafter, propose, prompt_
     synchronize(device)
     started = time.perf_counter()
     generator = sampling.generator() if sampling else None
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
     anchor = int(out.logits[0, -1].argmax()) if sampling is None else draw(sampling.probs(out.logits[0, -1]), generator)
     with autocast(device, bf16):
         draft_cache.extend(as_stored(tap.features()[0], feature_dtype).to(drafter.fc.weight.device))
@@ -261,7 +267,7 @@ def verify_chain_step(model, cache, proposal: Proposal, anchor: int, position: i
     tokens = proposal.tokens
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([[anchor] + tokens], device=device),
-                position_ids=torch.arange(position, position + len(tokens) + 1, device=device)[None], cache=cache, use_cache=True)
+                position_ids=torch.arange(position, position + len(tokens) + 1, device=device)[None], **cache_argument(model, cache), use_cache=True)
     if sampling is None:
         choice = out.logits[0].argmax(-1).tolist()  # the target's token after each verified position
         accepted = 0
@@ -303,14 +309,14 @@ def host_forward_costs(model, prompt_ids: list[int], lengths: list[int], *, repe
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prompt_ids], device=device), cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=torch.tensor([prompt_ids], device=device), **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
     start = len(prompt_ids)
     samples = {n: [] for n in lengths}
     for repeat in range(repeats + 1):  # the first round warms up
         for n in lengths:
             ids = torch.tensor([prompt_ids[-n:]], device=device)
             positions = torch.arange(start, start + n, device=device)[None]
-            _, seconds = timed(lambda: model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).logits[0].argmax(-1).tolist(),
+            _, seconds = timed(lambda: model(input_ids=ids, position_ids=positions, **cache_argument(model, cache), use_cache=True).logits[0].argmax(-1).tolist(),
                                device)
             _crop(cache, start)
             if repeat:

@@ -1,48 +1,141 @@
 """The target's decode step over a static KV cache: one shape for every step, nothing read back.
 
-Transformers' own forward grows a `DynamicCache` by concatenation (copying the whole cache every
-step), rebuilds the attention mask every step, checks the mask on the host (a device read per
-forward) and gives every decode step a new key length, so cuDNN attention plans anew each time: on
-an H200 the step was 54-72 ms of host work for ~2 ms of GPU work. This step keeps the keys and
-values of a fixed batch in preallocated tensors [layers, batch, kv heads, length, head dim],
-writes each step's column in place at a device-side column index, and attends over the whole
-length under a validity mask, so every step has the same shapes and the same kernels: it can be
-captured once as a CUDA graph and replayed (`GraphedStep`).
+Transformers' `DynamicCache` grows by concatenation (copying the whole cache every step), its mask
+is rebuilt every step and checked on the host (a device read per forward), and every decode step
+has a new key length, so attention plans anew each time: on an H200 the step was 54-72 ms of host
+work for ~2 ms of GPU work. Here the keys and values of a fixed batch live in preallocated tensors
+[layers, batch, kv heads, length, head dim], each forward writes its columns in place at
+device-side column indices (`ColumnCache`, the cache object transformers' attention layers
+update), and attention reads the whole length under a 4-D visibility mask, so every step has the
+same shapes and the same kernels: it can be captured once as a CUDA graph and replayed
+(`GraphedStep`).
 
-The layers' own modules compute everything but attention (norms, projections, rotary embedding,
-MLP, head), so the arithmetic is transformers' except for how the keys are masked. Targets whose
-layers are not Llama's (`supports`) keep transformers' forward.
+The forward is the target's own (`model.model(...)`): transformers maintains every architecture's
+layers (Llama, Qwen2/3 with their q/k norms and biases, Mistral, Gemma3, rope scaling), and this
+module supplies only the cache, the positions and the mask (boolean for SDPA, additive for eager
+attention), with a sliding-window mask for the layers that have one. A target this cannot serve
+is refused in one line naming its model type (`check_servable`); nothing falls back silently.
 
 Left padding: row r's prompt sits right-aligned in columns [0, W); a padding column is never
 visible to another query, but sees itself, so no query row is empty (an empty row is NaN, and a
 NaN key or value poisons every row that multiplies it by a zero weight).
 """
 
-import torch
-import torch.nn.functional as F
+import functools
+import inspect
 
-# Model types whose decoder layers are (RMSNorm, attention with rotate-half RoPE, RMSNorm, MLP),
-# transformers' Llama layout (SmolLM2 is one); others run transformers' own forward.
-SUPPORTED_MODEL_TYPES = ("llama",)
+import torch
+
+from dflash_pipeline.errors import PipelineError
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention layouts the mask covers
+# Rope types whose frequencies depend on the sequence length seen so far: transformers updates them
+# with a host read of the longest position, which a captured step cannot make.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# The attention implementations whose masks this module builds: a boolean mask for SDPA, an
+# additive one for the eager softmax. Flash and flex attention take no dense 4-D mask.
+MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+
+
+def unservable_reason(model) -> str | None:
+    """Why `StaticDecoder` cannot run this target, or None when it can."""
+    config = getattr(model, "config", None)
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    if config is None or decoder is None or not hasattr(decoder, "layers") or not hasattr(model, "lm_head"):
+        return f"{type(model).__name__} is not a decoder-only transformers causal LM"
+    model_type = getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False):
+        return f"model type '{model_type}' is an encoder-decoder"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - set(LAYER_TYPES):
+        return f"model type '{model_type}' has layer types {sorted(layer_types - set(LAYER_TYPES))} (only {list(LAYER_TYPES)} are masked)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"model type '{model_type}' soft-caps attention logits, which scaled-dot-product attention cannot"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_types = {rope.get("rope_type", "default")} if "rope_type" in rope or not rope else {v.get("rope_type", "default") for v in rope.values() if isinstance(v, dict)}
+    if rope_types & set(LENGTH_DEPENDENT_ROPE):
+        return f"model type '{model_type}' uses rope type {sorted(rope_types & set(LENGTH_DEPENDENT_ROPE))}, whose frequencies change with the length decoded"
+    implementation = getattr(config, "_attn_implementation", None) or "eager"
+    if implementation not in MASK_KINDS:
+        return f"model type '{model_type}' was loaded with attention '{implementation}' (the engine's masks serve {sorted(MASK_KINDS)})"
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        return f"model type '{model_type}': its decoder's forward takes no position_ids"
+    return None
 
 
 def supports(model) -> bool:
-    """Whether `StaticDecoder` can run this target (else transformers' forward serves it)."""
-    config = getattr(model, "config", None)
-    if config is None or not callable(getattr(model, "get_decoder", None)):  # not a transformers model (a test's stand-in)
-        return False
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return (config.model_type in SUPPORTED_MODEL_TYPES and rope.get("rope_type", "default") == "default"
-            and not getattr(config, "attention_bias", False) and getattr(config, "sliding_window", None) is None)
+    """Whether `StaticDecoder` can run this target."""
+    return unservable_reason(model) is None
+
+
+def check_servable(model) -> None:
+    """Refuse, in one line naming the model type, a target the static engine cannot decode."""
+    reason = unservable_reason(model)
+    if reason is not None:
+        raise PipelineError(f"static decoder: {reason}; no other decoding path is taken")
+
+
+@functools.cache
+def _cache_keyword_of(forward) -> str:
+    parameters = inspect.signature(forward).parameters
+    for keyword in ("cache", "past_key_values"):
+        if keyword in parameters:
+            return keyword
+    raise PipelineError(f"{forward.__qualname__} takes neither 'cache' nor 'past_key_values': this transformers release is not supported")
+
+
+def cache_keyword(module) -> str:
+    """The keyword the installed transformers' forward of `module` (a causal LM or its decoder)
+    takes its KV cache by: `cache` from 5.24 on, `past_key_values` before (5.24 still accepts it,
+    with a warning). An older release swallows an unknown `cache=` in **kwargs and decodes with an
+    empty cache, wrong logits and no error, so every forward that passes a cache takes its keyword
+    from here and nowhere else."""
+    return _cache_keyword_of(type(module).forward)
+
+
+def cache_argument(module, cache) -> dict:
+    """`{keyword: cache}` for `module(...)`: see `cache_keyword`."""
+    return {cache_keyword(module): cache}
+
+
+def _cache_base():
+    from transformers.cache_utils import Cache
+
+    return Cache
+
+
+class ColumnCache(_cache_base()):
+    """The cache object handed to transformers' forward: every layer's `update` writes the new keys
+    and values at the decoder's current columns and returns that layer's whole static buffers.
+
+    Cache's own constructor is not called: it allocates per-layer objects this cache has none of,
+    and its signature changes between releases. Only the methods a forward calls are defined."""
+
+    is_compileable = True
+
+    def __init__(self, decoder: "StaticDecoder"):  # noqa: super().__init__ deliberately not called
+        self.decoder = decoder
+        self.layers = []
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        decoder = self.decoder
+        keys, values = decoder.keys[layer_idx], decoder.values[layer_idx]
+        keys.index_copy_(2, decoder.columns_now, key_states)
+        values.index_copy_(2, decoder.columns_now, value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and columns are always passed explicitly; never read from the cache
+
+    def __len__(self) -> int:
+        return len(self.decoder.keys)
 
 
 class StaticDecoder:
     """A fixed batch of sequences decoded over a preallocated cache of `length` columns."""
 
     def __init__(self, model, *, batch: int, length: int, tap_layers: tuple[int, ...] = ()):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        self.apply_rope = apply_rotary_pos_emb
+        check_servable(model)
         decoder = model.get_decoder()
         config = model.config
         self.model, self.decoder = model, decoder
@@ -54,54 +147,76 @@ class StaticDecoder:
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.valid = torch.zeros(batch, length, dtype=torch.bool, device=self.device)  # keys that hold a real token
+        self.key_positions = torch.zeros(batch, length, dtype=torch.long, device=self.device)  # each key's token position
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # next position of each row
         self.column = torch.zeros((), dtype=torch.long, device=self.device)  # next cache column, shared by the rows
         self.key_columns = torch.arange(length, device=self.device)
+        self.columns_now = self.key_columns[:1]  # the columns the running forward writes (`ColumnCache.update`)
         self.batch, self.length = batch, length
+        self.cache = ColumnCache(self)
+        self.cache_keyword = cache_keyword(decoder)
+        self.takes_cache_position = "cache_position" in inspect.signature(decoder.forward).parameters
+        # One mask per attention layout. A config that lists layer types takes a dict keyed by them;
+        # one without applies its sliding window (if any) to every layer and takes a single mask.
+        self.layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        self.sliding_window = window if window is not None and getattr(config, "use_sliding_window", True) else None
+        if self.layer_types is not None and "sliding_attention" in self.layer_types and window is None:
+            raise PipelineError(f"static decoder: model type '{config.model_type}' has sliding layers but no sliding_window")
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
+        self.mask_kind = MASK_KINDS[getattr(config, "_attn_implementation", None) or "eager"]
         # The layers whose outputs the drafter reads (`target.load.LayerTap`'s ids: the output of
-        # layer i, the last one after the final norm). This forward calls the layers' submodules,
-        # not the layers, so the tap's hooks never fire: each forward records them itself.
+        # layer i, the last one after the final norm): transformers' own hidden-state outputs,
+        # entry i + 1 for layer i and the final-norm state last, which its hooks record inside a
+        # compiled or captured step as well.
         self.tap_layers = tuple(tap_layers)
         self.features: torch.Tensor | None = None  # [B, T, len(tap_layers) * H] of the last forward
 
-    def _attention(self, index: int, attention, hidden, cos, sin, columns, visible):
-        """Self-attention of `hidden` [B, T, H] written at cache `columns` [T], reading the whole
-        cache under `visible` [B, T, length]."""
-        batch, steps = hidden.shape[:2]
-        shape = (batch, steps, -1, self.head_dim)
-        query = attention.q_proj(hidden).view(shape).transpose(1, 2)
-        key = attention.k_proj(hidden).view(shape).transpose(1, 2)
-        value = attention.v_proj(hidden).view(shape).transpose(1, 2)
-        query, key = self.apply_rope(query, key, cos, sin)
-        self.keys[index].index_copy_(2, columns, key)
-        self.values[index].index_copy_(2, columns, value)
-        out = F.scaled_dot_product_attention(query, self.keys[index], self.values[index], attn_mask=visible[:, None],
-                                             scale=attention.scaling, enable_gqa=True)
-        return attention.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
+    def _masks(self, positions, visible):
+        """The attention mask(s) transformers' forward takes: [B, 1, T, length], True (or 0.0) where
+        a query sees a key."""
+        full = visible[:, None]
+        sliding = None
+        if self.sliding_window is not None:
+            near = positions[:, :, None] - self.key_positions[:, None, :] < self.sliding_window
+            sliding = (visible & near)[:, None]
+        if self.mask_kind == "additive":
+            hidden = torch.finfo(self.dtype).min
+            full = torch.zeros((), dtype=self.dtype, device=self.device).masked_fill(~full, hidden)
+            sliding = None if sliding is None else torch.zeros((), dtype=self.dtype, device=self.device).masked_fill(~sliding, hidden)
+        if self.layer_types is None:
+            return sliding if sliding is not None else full
+        masks = {"full_attention": full}
+        if sliding is not None:
+            masks["sliding_attention"] = sliding
+        return masks
 
     def causal_visibility(self, columns: torch.Tensor) -> torch.Tensor:
         """[B, T, length]: a query at cache column c sees the valid keys up to c, and itself."""
         before = self.key_columns[None, :] <= columns[:, None]  # [T, length]
         return (self.valid[:, None, :] & before[None]) | (self.key_columns[None, None, :] == columns[None, :, None])
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's next-token logits of final-norm hidden states (its final soft-cap, if any)."""
+        logits = self.model.lm_head(hidden)
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
     def forward(self, input_ids, positions, columns, visible) -> torch.Tensor:
         """Final-norm hidden states [B, T, H] of tokens [B, T] at `positions` [B, T], written at
         cache `columns` [T], each query seeing the keys `visible` [B, T, length] marks; the tap
         layers' outputs land in `self.features`."""
-        hidden = self.decoder.embed_tokens(input_ids)
-        cos, sin = self.decoder.rotary_emb(hidden, positions)
-        last = len(self.decoder.layers) - 1
-        recorded = {}
-        for index, layer in enumerate(self.decoder.layers):
-            hidden = hidden + self._attention(index, layer.self_attn, layer.input_layernorm(hidden), cos, sin, columns, visible)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-            if index in self.tap_layers and index != last:
-                recorded[index] = hidden
-        hidden = self.decoder.norm(hidden)
+        self.columns_now = columns
+        self.key_positions.index_copy_(1, columns, positions)
+        keywords = {self.cache_keyword: self.cache}
+        if self.takes_cache_position:
+            keywords["cache_position"] = columns
+        out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=self._masks(positions, visible),
+                           use_cache=True, output_hidden_states=bool(self.tap_layers), **keywords)
         if self.tap_layers:
-            recorded[last] = hidden
-            self.features = torch.cat([recorded[i] for i in self.tap_layers], dim=-1)
-        return hidden
+            self.features = torch.cat([out.hidden_states[i + 1] for i in self.tap_layers], dim=-1)
+        return out.last_hidden_state
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -114,13 +229,20 @@ class StaticDecoder:
         hidden = self.forward(input_ids, positions, columns, self.causal_visibility(columns))
         self.positions.copy_(valid.sum(-1))
         self.column.fill_(width)
-        return self.model.lm_head(hidden[:, -1])
+        return self.logits(hidden[:, -1])
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Only these batch rows from now on (a smaller batch: new tensors, so not under a graph)."""
         self.keys, self.values = self.keys[:, rows], self.values[:, rows]
-        self.valid, self.positions = self.valid[rows], self.positions[rows]
+        self.valid, self.positions, self.key_positions = self.valid[rows], self.positions[rows], self.key_positions[rows]
         self.batch = rows.shape[0]
+
+    def move_columns(self, into: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy the keys, values and key positions at cache columns `source` to `into` (a tree's
+        accepted path moved into place)."""
+        for cache in (self.keys, self.values):
+            cache.index_copy_(3, into, cache.index_select(3, source))
+        self.key_positions.index_copy_(1, into, self.key_positions.index_select(1, source))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row [B] at the next column -> next-token logits [B, V]. Every tensor it
@@ -131,7 +253,7 @@ class StaticDecoder:
             hidden = self.forward(tokens[:, None], self.positions[:, None], columns, self.causal_visibility(columns))
             self.positions.add_(1)
             self.column.add_(1)
-            return self.model.lm_head(hidden[:, -1])
+            return self.logits(hidden[:, -1])
 
 
 class GraphedStep:

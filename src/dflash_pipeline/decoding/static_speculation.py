@@ -363,7 +363,7 @@ class SpeculativeStep(_Loop):
             new = (relative >= 0) & (relative <= nodes)
             visible = (target.key_columns < start)[None] | (self.visibility[:, relative.clamp(0, nodes)] & new[None])
             hidden = target.forward(tokens[None], (start + offsets)[None], columns, visible[None])
-            logits = self.model.lm_head(hidden[0])
+            logits = target.logits(hidden[0])
             self.features = target.features[0]
             if self.sampling is None:
                 self._accept_greedy(logits.argmax(-1))
@@ -389,11 +389,7 @@ class SpeculativeStep(_Loop):
             slots = torch.arange(depth + 1, device=device)
             committed = torch.where(slots == count, self.bonus, torch.cat([self.node_tokens.gather(0, path), self.bonus]))
             if self.tree_budget is not None:  # the accepted nodes' keys/values to the columns after the anchor, in order
-                target = self.target
-                into = start + 1 + slots[:depth]
-                source = start + 1 + path
-                for cache in (target.keys, target.values):
-                    cache.index_copy_(3, into, cache.index_select(3, source))
+                self.target.move_columns(start + 1 + slots[:depth], start + 1 + path)
             rows = torch.cat([torch.zeros(1, dtype=torch.long, device=device), 1 + path])  # the anchor and the accepted nodes
             with _autocast(device, self.bf16):
                 self.drafts.write(stored_features(self.features.index_select(0, rows), self.feature_dtype), start)
@@ -643,7 +639,7 @@ def static_forward_costs(model, prompt_ids: list[int], lengths: list[int], *, re
                 tokens = ids[:, -n:]
                 synchronize(device)
                 started = time.perf_counter()
-                model.lm_head(decoder.forward(tokens, columns[None], columns, visible)[0]).argmax(-1)
+                decoder.logits(decoder.forward(tokens, columns[None], columns, visible)[0]).argmax(-1)
                 synchronize(device)
                 if repeat:
                     samples[n].append(time.perf_counter() - started)

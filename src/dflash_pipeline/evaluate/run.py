@@ -325,19 +325,6 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
                                              plan=plans.get(name), machine=machine), engine=engine) for name in names}, results
 
 
-def trees_not_decoded(target, tree_budgets: list[int]) -> dict[str, str]:
-    """Tree mode name -> why it is not decoded end to end on this target: every budget, when the
-    target has sliding-window layers (their KV cache drops old entries, and tree verification
-    keeps the accepted path by moving entries inside it, `engine.keep_path`). Known from target.json
-    at the stage's start, so evaluate skips them (teacher-forced streaks are still scored) instead
-    of failing after training."""
-    if target.sliding_window is None or not tree_budgets:
-        return {}
-    why = (f"not decoded: the target has sliding-window layers (sliding window {target.sliding_window}), "
-           "and tree verification needs a full-attention KV cache")
-    return {f"tree{budget}": why for budget in tree_budgets}
-
-
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
                  checkpoint_folders: list[Path] | None = None, baseline_dirs: list[Path] | None = None, device: str = "cpu",
                  log=print, source: str = "params.yaml") -> EvaluationResult:
@@ -354,10 +341,6 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
                                context=target.max_position_embeddings, generated_val=generated_val, source=source)
     val_set = open_split(hidden_val_dir, expected_fingerprint=target.fingerprint)
     manifest = val_set.manifest
-    untreed = trees_not_decoded(target, list(config.tree_budgets)) if config.num_prompts > 0 else {}
-    if untreed:
-        log(f"evaluate: evaluate.tree_budgets {list(config.tree_budgets)} are scored teacher-forced only, "
-            f"{next(iter(untreed.values()))}")
     if checkpoint_folders is not None:
         folders = [Path(folder) for folder in checkpoint_folders]
     else:
@@ -382,13 +365,9 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
     if config.num_prompts > 0 and generated_val is not None:
         names = [evaluation.chosen] + [b.name for b in evaluation.baselines if b.name != evaluation.chosen]
         acceptance = {c.name: c.teacher_forced.slot_acceptance_conditional for c in evaluation.candidates}
-        decoded = replace(config, tree_budgets=[]) if untreed else config
         decodings, result.e2e_results = decode_end_to_end(names, candidates, head, target=target, layer_ids=manifest.layer_ids,
                                                           feature_dtype=manifest.feature_dtype, generated_val=generated_val,
-                                                          config=decoded, device=device, acceptance=acceptance)
-        if untreed:  # the record says why no tree could be the best mode
-            decodings = {name: replace(decoding, best=replace(decoding.best, refused={**decoding.best.refused, **untreed}))
-                         for name, decoding in decodings.items()}
+                                                          config=config, device=device, acceptance=acceptance)
         result.record = replace(evaluation, candidates=[replace(c, decoding=decodings.get(c.name, c.decoding)) for c in evaluation.candidates])
         for name, decoding in decodings.items():
             log(f"evaluate: {name}: {describe_best_mode(decoding.best)}")

@@ -68,7 +68,7 @@ class TargetInfo:
     # when its config names none, or target.json is from before it was recorded (nothing checked).
     max_position_embeddings: int | None = None
     # The window of the target's sliding-window layers (None: every layer attends to all of its
-    # context): such a KV cache drops old entries, and tree verification needs all of them.
+    # context). The static decoding engine keeps every key and masks by position, trees included.
     sliding_window: int | None = None
 
     @classmethod
