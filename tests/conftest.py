@@ -427,3 +427,12 @@ def tiny_target(tiny_llama_dir):
                                           target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
     prompt = [1, 504, 3112, 314, 253, 1345, 30, 2]
     return model, tap, head, drafter, prompt
+
+
+@pytest.fixture
+def gpu_shaped_steps(monkeypatch):
+    """Static decode steps built as on a GPU (attention over the whole cache length, no read of the
+    written length), so a CPU test can check the GPU's contract: nothing read, one graph."""
+    from dflash_pipeline.decoding import static_decoder
+
+    monkeypatch.setattr(static_decoder, "TRIM_ON_CPU", False)

@@ -524,8 +524,9 @@ def pipeline_run(root: Path, checkpoint: Path | None = None, **best) -> Path:
 def generate_mode(folder: Path, kind: str = "checkpoint", *, explicit=(), tree_budget=None, verify_tokens=None, machine=EPYC):
     from dflash_pipeline.cli import choose_generate_mode
 
-    return choose_generate_mode(drafter_dir=folder, kind=kind, block_size=16, tree_budget=tree_budget, verify_tokens=verify_tokens,
-                                explicit=set(explicit), machine=machine)
+    mode, line = choose_generate_mode(drafter_dir=folder, kind=kind, block_size=16, tree_budget=tree_budget, verify_tokens=verify_tokens,
+                                      explicit=set(explicit), machine=machine)
+    return mode.tree_budget, mode.verify_tokens, line
 
 
 def test_generate_refuses_a_prompt_that_with_its_answer_runs_past_the_targets_context(tiny):

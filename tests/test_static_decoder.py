@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding.static_decoder import StaticDecoder, supports
-from dflash_pipeline.generate import READ_EVERY, decoding_engine, dynamic_greedy_generate, left_padded, static_greedy_generate
+from dflash_pipeline.devices import READ_EVERY
+from dflash_pipeline.generate import decoding_engine, dynamic_greedy_generate, left_padded, static_greedy_generate
 from test_step_contract import DeviceReads, Paused
 
 
@@ -15,14 +16,14 @@ def _prompts(count: int, seed: int = 0) -> list[list[int]]:
             for _ in range(count)]
 
 
-def test_the_static_path_serves_every_target_on_a_gpu_and_refuses_what_it_cannot(tiny_target, monkeypatch):
-    """On a CPU transformers' forward measured faster (bench/generate.py --engines); the static
-    loop is for the GPU, where its step is a replayed CUDA graph. A target it cannot serve is
-    refused in one line naming its model type, never decoded down another path."""
+def test_generate_decodes_on_the_static_step_on_every_device_and_refuses_what_it_cannot(tiny_target, monkeypatch):
+    """One engine: the static step on a CPU (written columns only) and on a GPU (a replayed CUDA
+    graph). A target it cannot serve is refused in one line naming its model type, never decoded
+    down another path."""
     from dflash_pipeline.errors import PipelineError
 
     model = tiny_target[0]
-    assert supports(model) and decoding_engine(model) == "transformers-dynamic-cache"
+    assert supports(model) and decoding_engine(model) == "static-kv"
     cuda = type("Parameter", (), {"device": torch.device("cuda")})()
     monkeypatch.setattr(model, "parameters", lambda: iter([cuda]))
     assert decoding_engine(model) == "static-kv-cuda-graph"
@@ -69,7 +70,7 @@ def test_the_step_equals_transformers_logits(tiny_target):
     assert torch.allclose(following, reference, atol=1e-5, rtol=1e-5)
 
 
-def test_a_decode_loop_reads_the_device_once_every_read_interval(tiny_target, monkeypatch):
+def test_a_decode_loop_reads_the_device_once_every_read_interval(gpu_shaped_steps, tiny_target, monkeypatch):
     """Between the prefill and the answers, the loop reads back one pair of numbers every
     READ_EVERY steps (tokens made, rows ended); the step itself reads nothing."""
     import dflash_pipeline.decoding.static_decoder as static
@@ -80,7 +81,7 @@ def test_a_decode_loop_reads_the_device_once_every_read_interval(tiny_target, mo
     quiet_prefill = Paused(reads, static.StaticDecoder.prefill)
     monkeypatch.setattr(static.StaticDecoder, "prefill", lambda self, *args: quiet_prefill(self, *args))
     with reads:
-        answers = static_greedy_generate(model, prompts, max_new_tokens=3 * READ_EVERY, eos_ids={-1}, pad_id=2)
+        answers = static_greedy_generate(model, prompts, max_new_tokens=3 * READ_EVERY, eos_ids={-1}, pad_id=2, read_every=READ_EVERY)
     assert all(len(a.token_ids) == 3 * READ_EVERY for a in answers)
     assert reads.calls == ["tolist"] * 3 + ["tolist"]  # three reads in the loop, then the answers once
 
@@ -93,7 +94,7 @@ def test_a_decode_loop_reads_the_device_once_every_read_interval(tiny_target, mo
 
 
 @pytest.mark.slow
-def test_the_step_compiles_whole_and_never_recompiles_over_64_steps(tiny_target):
+def test_the_step_compiles_whole_and_never_recompiles_over_64_steps(gpu_shaped_steps, tiny_target):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -163,16 +164,18 @@ def test_every_layout_decodes_what_transformers_generate_decodes(kind, attention
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 1024, (length,), generator=generator).tolist() for length in (30, 17, 24)]
     ids, valid = left_padded(prompts, 0)
-    decoder = StaticDecoder(model, batch=3, length=ids.shape[1] + 41, tap_layers=(1, 3))
-    tokens = [decoder.prefill(ids, valid).argmax(-1)]
-    for _ in range(39):
-        tokens.append(decoder.step(tokens[-1]).argmax(-1))
-    got = torch.stack(tokens, 1).tolist()
-    assert decoder.features.shape == (3, 1, 2 * 64)
-    for prompt, row in zip(prompts, got):
+    answers = []
+    for trim in (True, False):  # the CPU's step (written columns only) and the GPU's (the whole length)
+        decoder = StaticDecoder(model, batch=3, length=ids.shape[1] + 41, tap_layers=(1, 3), trim=trim)
+        tokens = [decoder.prefill(ids, valid).argmax(-1)]
+        for _ in range(39):
+            tokens.append(decoder.step(tokens[-1]).argmax(-1))
+        answers.append(torch.stack(tokens, 1).tolist())
+        assert decoder.features.shape == (3, 1, 2 * 64)
+    for prompt, trimmed, whole in zip(prompts, *answers):
         with torch.no_grad():
             expected = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert row == expected[0, len(prompt):].tolist(), kind
+        assert trimmed == whole == expected[0, len(prompt):].tolist(), kind
 
 
 @pytest.mark.parametrize("change,words", [

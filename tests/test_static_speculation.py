@@ -189,7 +189,7 @@ class DeviceTraffic(DeviceReads):
 
 
 @pytest.mark.parametrize("mode,sampling", SAMPLED, ids=["chain", "tree", "ratio", "match"])
-def test_a_step_reads_nothing_back_and_copies_nothing_in(tiny_target, mode, sampling):
+def test_a_step_reads_nothing_back_and_copies_nothing_in(gpu_shaped_steps, tiny_target, mode, sampling):
     step = _step(tiny_target, mode, sampling)
     with DeviceTraffic() as reads:
         for _ in range(6):
@@ -200,7 +200,7 @@ def test_a_step_reads_nothing_back_and_copies_nothing_in(tiny_target, mode, samp
     assert reads.calls == []
 
 
-def test_the_loop_reads_once_every_read_interval(tiny_target):
+def test_the_loop_reads_once_every_read_interval(gpu_shaped_steps, tiny_target):
     model, tap, head, drafter, prompt = tiny_target
     mode = StaticSpeculation(drafter, head)
     mode.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-5})  # builds the step (allocation reads nothing either)
@@ -217,7 +217,7 @@ def test_the_loop_reads_once_every_read_interval(tiny_target):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,sampling", SAMPLED[:3], ids=["chain", "tree", "ratio"])
-def test_every_phase_compiles_whole_and_never_recompiles_over_64_steps(tiny_target, mode, sampling):
+def test_every_phase_compiles_whole_and_never_recompiles_over_64_steps(gpu_shaped_steps, tiny_target, mode, sampling):
     import torch._dynamo
     from torch._dynamo.utils import counters
 

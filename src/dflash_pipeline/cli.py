@@ -16,10 +16,9 @@ config dataclasses' defaults (config.py), which equal params.yaml's. Every failu
 included, is one line `error: ...` on stderr and exit status 1.
 """
 
-import re
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -27,6 +26,7 @@ from click.core import ParameterSource
 
 from dflash_pipeline import __version__
 from dflash_pipeline.config import EvaluateConfig, GenerateConfig, TargetConfig
+from dflash_pipeline.decoding.modes import DecodingMode
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import format_bytes
 from dflash_pipeline.runtime import OneLineUsage, device_option, offline_by_default, one_line_errors
@@ -486,20 +486,6 @@ def export(checkpoint, out, dtype):
 # ----------------------------------------------------------------------------- generate
 
 
-@dataclass(frozen=True)
-class EvaluatedMode:
-    """The greedy decoding mode evaluate measured fastest for one drafter (its `best_mode`), read
-    back for `generate`, with the file and key it was read from."""
-
-    mode: str  # "chain" | "tree<budget>"
-    tree_budget: int | None
-    verify_tokens: int | None  # the chain's verify length; None: all B-1
-    speedup: float | None
-    speedups: dict  # every greedy mode evaluate measured, by name
-    machine: str
-    where: str  # "data/eval/best.json: best_mode"
-
-
 def evaluate_record_of(drafter_dir: Path, kind: str) -> tuple[bool, object, str]:
     """(True, evaluate's `best_mode` section for this drafter, the file and key it is in), or
     (False, None, why there is none).
@@ -539,72 +525,37 @@ def evaluate_record_of(drafter_dir: Path, kind: str) -> tuple[bool, object, str]
     return True, best["best_mode"], f"{best_json}: best_mode"
 
 
-def parse_evaluated_mode(section, where: str) -> EvaluatedMode | None:
-    """`best_mode` as evaluate wrote it (`evaluate.report.best_mode_figures`), checked; None when
-    evaluate found no lossless greedy mode. A malformed record is one error naming the file and key."""
-    if not isinstance(section, dict):
-        raise PipelineError(f"{where} is {type(section).__name__}, expected a mapping")
-    mode = section.get("mode")
-    if mode is None:
-        return None
-    if not isinstance(mode, str) or not re.fullmatch(r"chain|tree[1-9][0-9]*", mode):
-        raise PipelineError(f"{where}.mode is {mode!r}, expected 'chain' or 'tree<budget>'")
-
-    def whole(key: str, required: bool) -> int | None:
-        value = section.get(key)
-        if value is None and not required:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PipelineError(f"{where}.{key} is {value!r}, expected an integer >= 1")
-        return value
-
-    tree_budget = whole("tree_budget", required=True) if mode != "chain" else None
-    if tree_budget is not None and mode != f"tree{tree_budget}":
-        raise PipelineError(f"{where}: mode {mode!r} and tree_budget {tree_budget} disagree")
-    speedups = section.get("speedups") or {}
-    if not isinstance(speedups, dict):
-        raise PipelineError(f"{where}.speedups is {type(speedups).__name__}, expected a mapping of mode to speedup")
-    return EvaluatedMode(mode=mode, tree_budget=tree_budget, verify_tokens=whole("verify_tokens", required=False) if mode == "chain" else None,
-                         speedup=section.get("speedup"), speedups=speedups, machine=str(section.get("machine") or "an unrecorded machine"),
-                         where=where)
-
-
-def describe_mode(tree_budget: int | None, verify_tokens: int | None, block_size: int) -> str:
-    if tree_budget is not None:
-        return f"DDTree budget {tree_budget}"
-    drafted = block_size - 1
-    if verify_tokens is None or verify_tokens >= drafted:
-        return f"chain of all {drafted} drafted tokens"
-    return f"chain verifying {verify_tokens} of {drafted} drafted tokens"
-
-
 def choose_generate_mode(*, drafter_dir: Path, kind: str, block_size: int, tree_budget: int | None, verify_tokens: int | None,
-                         explicit: set[str], machine: str) -> tuple[int | None, int | None, str]:
-    """(tree budget, verify tokens, the line saying which mode and why) for greedy `generate`:
-    the options named in `explicit` as given; else the mode evaluate measured fastest for this
-    drafter (`evaluate_record_of`); else today's default, a chain of all B-1 drafted tokens."""
+                         explicit: set[str], machine: str) -> tuple[DecodingMode, str]:
+    """(the mode, the line saying which mode and why) for greedy `generate`: the options named in
+    `explicit` as given; else the mode evaluate measured fastest for this drafter
+    (`evaluate_record_of`); else today's default, a chain of all B-1 drafted tokens."""
+    from dflash_pipeline.evaluate.record import BestMode
+
     if explicit:
         flags = " and ".join(f"--{name.replace('_', '-')}" for name in sorted(explicit))
-        return tree_budget, verify_tokens, f"mode: {describe_mode(tree_budget, verify_tokens, block_size)} ({flags})"
+        mode = DecodingMode(tree_budget=tree_budget, verify_tokens=verify_tokens)
+        return mode, f"mode: {mode.describe(block_size)} ({flags})"
     found, section, where = evaluate_record_of(drafter_dir, kind)
-    default = f"mode: {describe_mode(None, verify_tokens, block_size)}"
+    default = DecodingMode.chain(verify_tokens)
     if not found:
-        return None, verify_tokens, f"{default} (no evaluate record of this drafter: {where})"
+        return default, f"mode: {default.describe(block_size)} (no evaluate record of this drafter: {where})"
     if section is None:
-        return None, verify_tokens, f"{default} (evaluate decoded nothing end to end: {where} is null)"
-    evaluated = parse_evaluated_mode(section, where)
-    if evaluated is None:
-        return None, verify_tokens, f"{default} (evaluate found no lossless greedy mode: {where})"
+        return default, f"mode: {default.describe(block_size)} (evaluate decoded nothing end to end: {where} is null)"
+    evaluated = BestMode.from_json(section, where)
+    if evaluated.decoding_mode is None:
+        return default, f"mode: {default.describe(block_size)} (evaluate found no lossless greedy mode: {where})"
 
     def rate(speedup) -> str:
         return f"{speedup:.2f}x" if isinstance(speedup, (int, float)) else "n/a"
 
-    others = ", ".join(f"{name} {rate(value)}" for name, value in evaluated.speedups.items() if name != evaluated.mode)
-    line = (f"mode: {describe_mode(evaluated.tree_budget, evaluated.verify_tokens, block_size)}: evaluate measured {rate(evaluated.speedup)}"
-            f"{' vs ' + others if others else ''} on {evaluated.machine} ({evaluated.where})")
+    mode = evaluated.decoding_mode
+    others = ", ".join(f"{name} {rate(value)}" for name, value in evaluated.speedups.items() if name != mode.name)
+    line = (f"mode: {mode.describe(block_size)}: evaluate measured {rate(evaluated.speedup)}"
+            f"{' vs ' + others if others else ''} on {evaluated.machine} ({where})")
     if evaluated.machine != machine:
         line += f"; this is {machine}, where another mode may pay better (--tree-budget, --verify-tokens)"
-    return evaluated.tree_budget, evaluated.verify_tokens, line
+    return mode, line
 
 
 @main.command("generate", short_help="Answer a prompt with speculative decoding, streaming.")
@@ -670,9 +621,10 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
         context = click.get_current_context()
         explicit = {name for name in ("tree_budget", "verify_tokens")
                     if context.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)}
-        tree_budget, verify_tokens, line = choose_generate_mode(
+        chosen, line = choose_generate_mode(
             drafter_dir=drafter_dir, kind=kind, block_size=candidate.drafter.config.block_size, tree_budget=tree_budget,
             verify_tokens=verify_tokens, explicit=explicit, machine=f"{device} on {machine_description()}")
+        tree_budget, verify_tokens = chosen.tree_budget, chosen.verify_tokens
         click.echo(line)
     session = open_session(target, candidate.drafter, device=device)
     prompt_ids = render_prompt(session.tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),

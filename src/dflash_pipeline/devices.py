@@ -14,6 +14,17 @@ import torch
 
 from dflash_pipeline.errors import PipelineError
 
+# How many steps a device loop runs between two reads back to the host (decode loops: tokens made
+# and rows ended; train: the curve values), where each read drains the queue of launched work on a
+# GPU. One interval for every loop of the package.
+READ_EVERY = 16
+
+
+def default_read_every(device) -> int:
+    """READ_EVERY on a GPU; 1 on a CPU, where a read costs nothing (the value is computed already),
+    so a decode loop reads after every step there and never runs a step past the end."""
+    return READ_EVERY if torch.device(device).type == "cuda" else 1
+
 # Dense bf16 tensor-core peaks by the vendors' datasheets (SXM parts), TFLOP/s. PEAK_TFLOPS overrides.
 BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0, "4090": 165.0}
 

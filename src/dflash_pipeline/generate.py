@@ -66,34 +66,24 @@ def render_prompt(tokenizer, prompt: Prompt, *, system_prompt: str | None, enabl
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# Finished rows are read back this often (the loop stops early once every row has ended): the
-# only device-to-host read of the static path's decode loop besides the answers at the end.
-READ_EVERY = 16
-
-
 def decoding_engine(model) -> str:
     """The kernel path `greedy_generate` takes for this model, recorded in the generate settings
-    so answers of one path are never mixed with another's (they can part at bf16 near-ties).
-
-    The static KV loop with a CUDA graph per step on a GPU (where transformers' forward spent
-    ~50 ms of host work per step), for every target it can serve; one it cannot is refused in one
-    line (`static_decoder.check_servable`), not sent down the slow path. On a CPU transformers'
-    forward, where the step is compute and the static loop measured 0.94x its tokens/s with
-    identical answers (bench/generate.py --engines: it attends over the whole cache length and
-    keeps ended rows up to 16 steps)."""
+    so answers of one path are never mixed with another's (they can part at bf16 near-ties): the
+    static KV step on every device (`decoding.static_decoder`), replayed as a CUDA graph on a GPU
+    (where transformers' own loop spent ~50 ms of host work per step) and attending over the
+    written columns only on a CPU (where it measured 1.02x transformers' loop, identical answers:
+    bench/generate.py --engines). A target it cannot serve is refused in one line
+    (`static_decoder.check_servable`), never sent down another path."""
     from dflash_pipeline.decoding.static_decoder import check_servable
 
-    if next(model.parameters()).device.type != "cuda":
-        return "transformers-dynamic-cache"
     check_servable(model)
-    return "static-kv-cuda-graph"
+    return "static-kv-cuda-graph" if next(model.parameters()).device.type == "cuda" else "static-kv"
 
 
 def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, on_step=None) -> list[Answer]:
-    """Greedy-decode a batch of prompts with left padding: on a GPU over a static KV cache
-    (`decoding.static_decoder`), on a CPU with transformers' forward (`decoding_engine`). `on_step(new_tokens, finished_rows)` reports progress."""
-    if decoding_engine(model) == "transformers-dynamic-cache":
-        return dynamic_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
+    """Greedy-decode a batch of prompts with left padding on the static KV step (`decoding_engine`).
+    `on_step(new_tokens, finished_rows)` reports progress."""
+    decoding_engine(model)
     return static_greedy_generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, on_step=on_step)
 
 
@@ -111,14 +101,16 @@ def left_padded(prompts: list[list[int]], pad_id: int):
 
 
 def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
-                           on_step=None) -> list[Answer]:
+                           on_step=None, read_every: int | None = None) -> list[Answer]:
     """Tokens and ends are kept on the device and the host reads which rows ended every
-    READ_EVERY steps. On a GPU the batch stays whole (an ended row steps on padding: free while a
+    `read_every` steps (`devices.default_read_every`: 16 on a GPU, every step on a CPU, where a
+    read costs nothing). On a GPU the batch stays whole (an ended row steps on padding: free while a
     step is bound by latency, and the replayed CUDA graph keeps its shapes); on a CPU, where a
     step costs in proportion to its rows, the rows that ended leave the batch at each read."""
     import torch
 
     from dflash_pipeline.decoding.static_decoder import GraphedStep, StaticDecoder
+    from dflash_pipeline.devices import default_read_every
 
     device = next(model.parameters()).device
     input_ids, valid = left_padded(prompts, pad_id)
@@ -127,6 +119,7 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
     tokens = decoder.prefill(input_ids.to(device), valid.to(device)).argmax(-1)
     graphed = device.type == "cuda"
     step = GraphedStep(decoder) if graphed else decoder.step
+    read_every = read_every or default_read_every(device)
     eos = torch.tensor(sorted(eos_ids), device=device)
     out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     rows = torch.arange(batch, device=device)  # the prompt each batch row answers
@@ -139,7 +132,7 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
             out[rows, t] = torch.where(ended, pad_id, tokens)
             ended |= torch.isin(tokens, eos)
             last = t + 1 == max_new_tokens
-            if last or (t + 1) % READ_EVERY == 0:
+            if last or (t + 1) % read_every == 0:
                 tokens_so_far, *still = torch.cat([produced.view(1), (~ended).long()]).tolist()  # the one read
                 rows_ended = batch if last else batch - rows.shape[0] + (len(still) - sum(still))
                 if on_step is not None:
@@ -161,8 +154,9 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
 
 def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                             on_step=None) -> list[Answer]:
-    """Greedy-decode a batch of prompts with left padding and a shared KV cache (transformers'
-    forward: any target).
+    """Greedy-decode a batch of prompts with left padding and a shared KV cache over transformers'
+    own forward: the reference `static_greedy_generate` is tested against (tests/test_static_decoder.py)
+    and measured against (bench/generate.py --engines); the generate stage does not use it.
 
     Rows that finish leave the batch (their cache rows are dropped), so a long answer does not
     make short ones pay for its steps. `on_step(new_tokens, finished_rows)` reports progress.

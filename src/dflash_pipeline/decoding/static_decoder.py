@@ -35,6 +35,9 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # The attention implementations whose masks this module builds: a boolean mask for SDPA, an
 # additive one for the eager softmax. Flash and flex attention take no dense 4-D mask.
 MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+# Whether a step on a CPU attends over the written columns only (`StaticDecoder.trim`). Tests of
+# the GPU's shape contract (no read inside a step, one compiled graph) turn it off on their CPU.
+TRIM_ON_CPU = True
 
 
 def unservable_reason(model) -> str | None:
@@ -122,6 +125,8 @@ class ColumnCache(_cache_base()):
         keys, values = decoder.keys[layer_idx], decoder.values[layer_idx]
         keys.index_copy_(2, decoder.columns_now, key_states)
         values.index_copy_(2, decoder.columns_now, value_states)
+        if decoder.filled is not None:
+            return keys[:, :, : decoder.filled], values[:, :, : decoder.filled]
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -134,7 +139,7 @@ class ColumnCache(_cache_base()):
 class StaticDecoder:
     """A fixed batch of sequences decoded over a preallocated cache of `length` columns."""
 
-    def __init__(self, model, *, batch: int, length: int, tap_layers: tuple[int, ...] = ()):
+    def __init__(self, model, *, batch: int, length: int, tap_layers: tuple[int, ...] = (), trim: bool | None = None):
         check_servable(model)
         decoder = model.get_decoder()
         config = model.config
@@ -152,6 +157,12 @@ class StaticDecoder:
         self.column = torch.zeros((), dtype=torch.long, device=self.device)  # next cache column, shared by the rows
         self.key_columns = torch.arange(length, device=self.device)
         self.columns_now = self.key_columns[:1]  # the columns the running forward writes (`ColumnCache.update`)
+        # On a CPU attention reads only the columns written so far: no key past the forward's last
+        # column is ever visible, a CPU step is compute-bound (the whole length would cost in
+        # proportion), reading a CPU tensor costs nothing and no graph is captured. On a GPU every
+        # step keeps the whole length: one shape, one captured graph. (Default: trim on a CPU.)
+        self.trim = (self.device.type == "cpu" and TRIM_ON_CPU) if trim is None else trim
+        self.filled: int | None = None  # the columns attention reads in the running forward (None: all)
         self.batch, self.length = batch, length
         self.cache = ColumnCache(self)
         self.cache_keyword = cache_keyword(decoder)
@@ -178,7 +189,7 @@ class StaticDecoder:
         full = visible[:, None]
         sliding = None
         if self.sliding_window is not None:
-            near = positions[:, :, None] - self.key_positions[:, None, :] < self.sliding_window
+            near = positions[:, :, None] - self.key_positions[:, None, : visible.shape[-1]] < self.sliding_window
             sliding = (visible & near)[:, None]
         if self.mask_kind == "additive":
             hidden = torch.finfo(self.dtype).min
@@ -209,6 +220,9 @@ class StaticDecoder:
         layers' outputs land in `self.features`."""
         self.columns_now = columns
         self.key_positions.index_copy_(1, columns, positions)
+        if self.trim:
+            self.filled = int(columns.max()) + 1
+            visible = visible[..., : self.filled]
         keywords = {self.cache_keyword: self.cache}
         if self.takes_cache_position:
             keywords["cache_position"] = columns

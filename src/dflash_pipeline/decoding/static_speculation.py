@@ -47,18 +47,8 @@ from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, samp
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.decoding.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
                                              tree_attention_visibility)
-from dflash_pipeline.devices import bf16_by_default, synchronize
+from dflash_pipeline.devices import READ_EVERY, bf16_by_default, default_read_every, synchronize
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
-
-# How many steps run between two reads of (ended, tokens made) on a GPU, where each read drains the
-# queue of launched work. On a CPU a read costs nothing (the value is computed already), so the loop
-# reads after every step there and never runs a step past the end.
-READ_EVERY = 16
-
-
-def default_read_every(device) -> int:
-    return READ_EVERY if torch.device(device).type == "cuda" else 1
-
 
 def _autocast(device: torch.device, enabled: bool):
     # Graph capture cannot keep autocast's weight-cast cache: every replay casts afresh.

@@ -20,6 +20,8 @@ runs too) builds its section, and `evaluate` alone decides how it is written.
 
 from dataclasses import dataclass, field
 
+from dflash_pipeline.decoding.modes import DecodingMode
+
 
 @dataclass(frozen=True)
 class Interval:
@@ -100,15 +102,35 @@ class BestMode:
     choose_decoding_mode`). Which one pays depends on the machine (a verify forward of many tokens
     is dear on a CPU), so the record names the machine it was measured on."""
 
-    mode: str | None  # "chain" or "tree<budget>"; None when no greedy mode qualified
+    decoding_mode: DecodingMode | None  # the chain at its verify length or a tree budget; None when no greedy mode qualified
     speedup: float | None
     tau: Interval | None
     lossless_rate: float | None
-    verify_tokens: int | None  # the chain's verify length, when the chain won
-    tree_budget: int | None  # the tree's node budget, when a tree won
     speedups: dict[str, float | None] = field(default_factory=dict)  # every greedy mode measured, by mode name
     refused: dict[str, str] = field(default_factory=dict)  # mode name -> why it could not win
     machine: str = ""  # the device and machine in words ("cpu on AMD EPYC 7B13, 2 CPUs")
+
+    @property
+    def mode(self) -> str | None:
+        """The winning mode's name ("chain", "tree<budget>"), or None."""
+        return self.decoding_mode.name if self.decoding_mode is not None else None
+
+    @classmethod
+    def from_json(cls, section, where: str) -> "BestMode":
+        """The `best_mode` section as `evaluate.report.best_mode_figures` writes it, read back and
+        checked: a malformed record is one error naming `where` and the key."""
+        from dflash_pipeline.errors import PipelineError
+
+        if not isinstance(section, dict):
+            raise PipelineError(f"{where} is {type(section).__name__}, expected a mapping")
+        for key in ("speedups", "refused"):
+            if not isinstance(section.get(key) or {}, dict):
+                raise PipelineError(f"{where}.{key} is {type(section[key]).__name__}, expected a mapping by mode name")
+        mode = DecodingMode.from_dict(section, where) if section.get("mode") is not None else None
+        tau = Interval(section["tau"], section.get("tau_ci95")) if isinstance(section.get("tau"), (int, float)) else None
+        return cls(decoding_mode=mode, speedup=section.get("speedup"), tau=tau, lossless_rate=section.get("lossless_rate"),
+                   speedups=dict(section.get("speedups") or {}), refused=dict(section.get("refused") or {}),
+                   machine=str(section.get("machine") or "an unrecorded machine"))
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,9 @@ def best_mode_figures(best: BestMode) -> dict:
     """The best greedy mode as JSON: the section `best_mode` of eval.json and details.json, and of
     best.json, where `dflash-pipeline generate` reads it (through the export's provenance file)."""
     tau, tau_ci95 = (best.tau.mean, best.tau.ci95) if best.tau is not None else (None, None)
-    return {"mode": best.mode, "speedup": best.speedup, "tau": tau, "tau_ci95": tau_ci95, "lossless_rate": best.lossless_rate,
-            "verify_tokens": best.verify_tokens, "tree_budget": best.tree_budget, "speedups": dict(best.speedups),
+    mode = best.decoding_mode.as_dict() if best.decoding_mode is not None else {"mode": None, "verify_tokens": None, "tree_budget": None}
+    return {"mode": mode["mode"], "speedup": best.speedup, "tau": tau, "tau_ci95": tau_ci95, "lossless_rate": best.lossless_rate,
+            "verify_tokens": mode["verify_tokens"], "tree_budget": mode["tree_budget"], "speedups": dict(best.speedups),
             "refused": dict(best.refused), "machine": best.machine}
 
 

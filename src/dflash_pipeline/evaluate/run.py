@@ -33,6 +33,7 @@ from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import check_recorded_digest
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.decoding.modes import DecodingMode
 from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, Decoding, EndToEnd, Evaluation, Paired
 from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.drafters.serving import load_dflash_drafter
@@ -221,31 +222,28 @@ def choose_decoding_mode(chain: EndToEnd, trees: dict[int, EndToEnd], *, machine
     so is a tree whose lossless rate is below the chain's (near-tie partings are rounding, which
     every mode meets alike; more of them than the chain has is not evidence of rounding alone). A
     mode without a measured speedup cannot win either. On a tie the chain wins, then the smaller
-    tree: the same speed for less verify work. When nothing qualifies, `mode` is None and `refused`
+    tree: the same speed for less verify work. When nothing qualifies, `decoding_mode` is None and `refused`
     says why for each mode.
     """
-    modes = [("chain", chain)] + [(f"tree{budget}", run) for budget, run in sorted(trees.items())]
+    modes = [(DecodingMode.chain(chain.verify_tokens), chain)] + [(DecodingMode.tree(budget), run) for budget, run in sorted(trees.items())]
     refused = {}
-    for name, run in modes:
+    for mode, run in modes:
         real_mismatches = len(run.mismatches) - run.near_tie_mismatches
         if run.speedup is None:
-            refused[name] = "no speedup measured"
+            refused[mode.name] = "no speedup measured"
         elif run.lossless_rate is None:
-            refused[name] = "not checked against plain greedy decoding"
+            refused[mode.name] = "not checked against plain greedy decoding"
         elif real_mismatches:
-            refused[name] = f"{real_mismatches} answer(s) part from plain greedy decoding not at a near-tie"
+            refused[mode.name] = f"{real_mismatches} answer(s) part from plain greedy decoding not at a near-tie"
         elif chain.lossless_rate is not None and run.lossless_rate < chain.lossless_rate:
-            refused[name] = f"lossless rate {run.lossless_rate} below the chain's {chain.lossless_rate}"
-    speedups = {name: run.speedup for name, run in modes}
-    eligible = [(name, run) for name, run in modes if name not in refused]
+            refused[mode.name] = f"lossless rate {run.lossless_rate} below the chain's {chain.lossless_rate}"
+    speedups = {mode.name: run.speedup for mode, run in modes}
+    eligible = [(mode, run) for mode, run in modes if mode.name not in refused]
     if not eligible:
-        return BestMode(mode=None, speedup=None, tau=None, lossless_rate=None, verify_tokens=None, tree_budget=None, speedups=speedups,
-                        refused=refused, machine=machine)
-    name, run = max(eligible, key=lambda mode: mode[1].speedup)  # max keeps the first of equals: the chain, then smaller trees
-    budget = None if name == "chain" else int(name[len("tree"):])
-    return BestMode(mode=name, speedup=run.speedup, tau=run.tau, lossless_rate=run.lossless_rate,
-                    verify_tokens=run.verify_tokens if budget is None else None, tree_budget=budget, speedups=speedups, refused=refused,
-                    machine=machine)
+        return BestMode(decoding_mode=None, speedup=None, tau=None, lossless_rate=None, speedups=speedups, refused=refused, machine=machine)
+    mode, run = max(eligible, key=lambda item: item[1].speedup)  # max keeps the first of equals: the chain, then smaller trees
+    return BestMode(decoding_mode=mode, speedup=run.speedup, tau=run.tau, lossless_rate=run.lossless_rate, speedups=speedups,
+                    refused=refused, machine=machine)
 
 
 def describe_best_mode(best: BestMode | None) -> str:
@@ -271,7 +269,7 @@ def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[fl
         figures = plan.as_dict()
         chain = replace(chain, forward_cost_steps=figures["forward_cost_steps"],
                         expected_tokens_per_step_cost=figures["expected_tokens_per_step_cost"])
-    trees = {budget: summarize_end_to_end(greedy, f"{name}/tree{budget}") for budget in tree_budgets}
+    trees = {budget: summarize_end_to_end(greedy, f"{name}/{DecodingMode.tree(budget).name}") for budget in tree_budgets}
     return Decoding(chain=chain, trees=trees,
                     sampled={temperature: replace(summarize_end_to_end(runs, name), lossless_rate=None, mismatches=[])
                              for temperature, runs in sorted(sampled.items())},
@@ -310,7 +308,7 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         return [(name, by_name[name].drafter, sessions[name].proposer(sampling=sampling, verify_tokens=verify_tokens[name]))
                 for name in names]
 
-    trees = [(f"{name}/tree{budget}", by_name[name].drafter, sessions[name].proposer(tree_budget=budget))
+    trees = [(f"{name}/{DecodingMode.tree(budget).name}", by_name[name].drafter, sessions[name].proposer(tree_budget=budget))
              for name in names for budget in config.tree_budgets]
     common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, feature_dtype=feature_dtype, progress=True)
     results = end_to_end(model, tap, chains() + trees, prompts, **common)

@@ -36,7 +36,7 @@ from dflash_pipeline.drafters.checkpoints import (
     step_folder,
 )
 from dflash_pipeline.config import TrainConfig
-from dflash_pipeline.devices import autocast, bf16_by_default
+from dflash_pipeline.devices import READ_EVERY, autocast, bf16_by_default
 from dflash_pipeline.drafters.build import choose_architecture, choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.files import sha256_file
@@ -429,9 +429,8 @@ def static_shape(run: TrainingRun) -> tuple[int, int]:
     return -(-context // 128) * 128, blocks
 
 
-# Curve values stay on the device and are read back this often (and before every validation,
-# checkpoint and the end): the only device-to-host reads of a steady-state step.
-READ_EVERY = 16
+# Curve values stay on the device and are read back every READ_EVERY steps (devices.py; and before
+# every validation, checkpoint and the end): the only device-to-host reads of a steady-state step.
 
 
 @dataclass
