@@ -364,13 +364,13 @@ def test_the_best_mode_is_the_fastest_lossless_greedy_mode():
     # a CPU where the chain is break-even and a small tree pays (the 2-core EPYC)
     chain, trees = with_speedups(decoding, 0.97, tree4=1.08, tree8=1.02)
     best = choose_decoding_mode(chain, trees, machine="cpu on EPYC")
-    assert (best.mode, best.speedup, best.tree_budget, best.verify_tokens) == ("tree4", 1.08, 4, None)
+    assert (best.mode, best.speedup, best.decoding_mode.tree_budget, best.decoding_mode.verify_tokens) == ("tree4", 1.08, 4, None)
     assert (best.tau, best.lossless_rate, best.machine) == (trees[4].tau, 1.0, "cpu on EPYC")
     assert best.speedups == {"chain": 0.97, "tree4": 1.08, "tree8": 1.02} and best.refused == {}
     # where the chain pays best it wins, at its verify length
     chain, trees = with_speedups(decoding, 1.4, tree4=1.29, tree8=1.2)
     best = choose_decoding_mode(chain, trees)
-    assert (best.mode, best.speedup, best.verify_tokens, best.tree_budget) == ("chain", 1.4, 4, None)
+    assert (best.mode, best.speedup, best.decoding_mode.verify_tokens, best.decoding_mode.tree_budget) == ("chain", 1.4, 4, None)
     # equal speedups: the chain, then the smaller tree (the same speed for less verify work)
     assert choose_decoding_mode(*with_speedups(decoding, 1.1, tree4=1.1, tree8=1.1)).mode == "chain"
     assert choose_decoding_mode(*with_speedups(decoding, 1.0, tree4=1.1, tree8=1.1)).mode == "tree4"
