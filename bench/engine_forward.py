@@ -86,7 +86,7 @@ def main(target_json, generated, batches, steps, rounds, json_path):
 
     def decode(kind, batch: int):
         ids, valid = left_padded(prompts[:batch], tokenizer.pad_token_id or 0)
-        decoder = kind(model, batch=batch, length=ids.shape[1] + steps + 1)
+        decoder = kind(model, batch=batch, length=ids.shape[1] + steps + 1, trim=False)  # both over the whole length: the forwards alone compared
         tokens = [decoder.prefill(ids, valid).argmax(-1)]
         began = time.perf_counter()
         for _ in range(steps):
@@ -111,9 +111,9 @@ def main(target_json, generated, batches, steps, rounds, json_path):
         figures[batch] = {"transformers_ms_per_step": round(ms["transformers"], 3), "hand_written_ms_per_step": round(ms["hand_written"], 3),
                           "transformers_over_hand_written": round(ms["transformers"] / ms["hand_written"], 4), "identical_tokens": identical}
         print(f"batch {batch}: {json.dumps(figures[batch])}", flush=True)
-    result = {"machine": machine_description(), "torch_threads": torch.get_num_threads(), "target": target.model, "steps": steps,
+    result = {"machine": machine_description(), "torch_threads": torch.get_num_threads(), "target": f"{target.architecture} ({target.num_layers} layers)", "steps": steps,
               "rounds": rounds, "batches": figures}
-    print(f"\n{target.model} on {result['machine']}, torch threads {torch.get_num_threads()}, {steps} steps, median of {rounds} rounds")
+    print(f"\n{result['target']} on {result['machine']}, torch threads {torch.get_num_threads()}, {steps} steps, median of {rounds} rounds")
     print(f"{'batch':>5s} {'transformers ms':>15s} {'hand-written ms':>15s} {'ratio':>7s}  identical")
     for batch, row in figures.items():
         print(f"{batch:5d} {row['transformers_ms_per_step']:15.2f} {row['hand_written_ms_per_step']:15.2f} "

@@ -4,8 +4,9 @@
                                   [--max-new-tokens 128] [--tree-budget 4] [--rounds 2] [--device cuda]
 
 The chosen drafter (data/eval/best.json) decodes the same val prompts on both engines:
-  host     `engine.greedy_decode` / `engine.speculative_decode`: transformers' forward and
-           DynamicCache, acceptance read back every step (`transformers-dynamic-cache`)
+  host     `engine.host_greedy_decode` / `engine.host_speculative_decode`: transformers' forward
+           and DynamicCache, acceptance read back every step (the reference loops; called by name,
+           since `greedy_decode` / `speculative_decode` take the static engine for every target)
   static   `static_speculation.static_plain_decode` / `StaticSpeculation.decode`: static KV,
            a step drafted, verified and accepted on the device (`static-kv`)
 in three modes: plain greedy, the greedy chain (all B-1 tokens) and the greedy DDTree. Each
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, tree_budget, rounds, json_path):
     import torch
 
-    from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
+    from dflash_pipeline.decoding.engine import host_greedy_decode, host_speculative_decode
     from dflash_pipeline.decoding.static_speculation import StaticSpeculation, static_plain_decode
     from dflash_pipeline.devices import machine_description
 
@@ -49,9 +50,10 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     chain_proposer, tree_proposer = session.proposer(), session.proposer(tree_budget=tree_budget)
     spec = dict(feature_dtype=feature_dtype, **common)
     modes = {  # mode -> (host engine, static engine)
-        "plain": (lambda ids: greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common)),
-        "chain": (lambda ids: speculative_decode(model, tap, drafter, chain_proposer, ids, **spec), lambda ids: chain_mode.decode(model, ids, **spec)),
-        f"tree{tree_budget}": (lambda ids: speculative_decode(model, tap, drafter, tree_proposer, ids, **spec),
+        "plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common)),
+        "chain": (lambda ids: host_speculative_decode(model, tap, drafter, chain_proposer, ids, **spec),
+                  lambda ids: chain_mode.decode(model, ids, **spec)),
+        f"tree{tree_budget}": (lambda ids: host_speculative_decode(model, tap, drafter, tree_proposer, ids, **spec),
                                lambda ids: tree_mode.decode(model, ids, **spec)),
     }
 

@@ -235,3 +235,33 @@ def test_moving_a_trees_path_moves_its_keys_values_and_their_positions():
     decoder.move_columns(into, source)
     assert decoder.key_positions[0, :8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
     assert torch.equal(decoder.keys[..., 5:8, :], keys[..., [6, 8, 9], :]) and torch.equal(decoder.values[..., 5:8, :], values[..., [6, 8, 9], :])
+
+
+def test_folded_grouped_query_attention_equals_grouped_sdpa():
+    """CUDA's path (query heads folded into equal heads, issue #36 item 5), checked on a CPU:
+    the same output as SDPA's own grouped-query call, under a mask that hides keys per step."""
+    from dflash_pipeline.decoding.static_decoder import folded_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 3, 8, generator=generator)
+    key, value = torch.randn(2, 2, 10, 8, generator=generator), torch.randn(2, 2, 10, 8, generator=generator)
+    mask = torch.rand(2, 1, 3, 10, generator=generator) > 0.4
+    mask[..., 0] = True  # no empty row
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    assert torch.allclose(folded_attention(query, key, value, mask, 0.3), expected.transpose(1, 2), atol=1e-6)
+
+
+def test_the_engine_attention_serves_a_switched_model_outside_the_engine_as_before(tiny_target):
+    """Building a static decoder switches an SDPA target to the engine's attention function; the
+    target's own forward (no static mask) then answers exactly as transformers' SDPA did."""
+    from dflash_pipeline.decoding.static_decoder import STATIC_SDPA
+
+    model = tiny_target[0]
+    ids, valid = left_padded(_prompts(3, 7), 2)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        before = model(input_ids=ids, attention_mask=valid.long()).logits
+        StaticDecoder(model, batch=1, length=8)
+        assert model.config._attn_implementation == STATIC_SDPA
+        after = model(input_ids=ids, attention_mask=valid.long()).logits
+    assert torch.equal(before, after)

@@ -25,6 +25,7 @@ import functools
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from dflash_pipeline.errors import PipelineError
 
@@ -32,12 +33,66 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention layouts t
 # Rope types whose frequencies depend on the sequence length seen so far: transformers updates them
 # with a host read of the longest position, which a captured step cannot make.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# The engine's own registration of scaled-dot-product attention (`static_sdpa`), which a target
+# loaded with transformers' "sdpa" is switched to when a static decoder is built on it.
+STATIC_SDPA = "static_kv_sdpa"  # no "flash" in the name: transformers reads that as a flash-attention kernel
 # The attention implementations whose masks this module builds: a boolean mask for SDPA, an
 # additive one for the eager softmax. Flash and flex attention take no dense 4-D mask.
-MASK_KINDS = {"sdpa": "bool", "eager": "additive"}
+MASK_KINDS = {"sdpa": "bool", STATIC_SDPA: "bool", "eager": "additive"}
 # Whether a step on a CPU attends over the written columns only (`StaticDecoder.trim`). Tests of
 # the GPU's shape contract (no read inside a step, one compiled graph) turn it off on their CPU.
 TRIM_ON_CPU = True
+
+
+def static_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention with grouped query heads served without copying keys and values.
+
+    For the boolean 4-D masks the engine passes, query [B, H, T, D] attends to key/value
+    [B, KVH, L, D] as they are: on a CPU through SDPA's own grouped-query path, on CUDA with the
+    query heads that share a KV head folded into the query length (equal head counts: flash
+    attention takes no mask and memory-efficient attention no GQA, so a masked grouped call would
+    fall to the math kernel). transformers' own function repeats every key and value to all query
+    heads over the whole cache length first. Any other call (no mask, a float mask, dropout, attention
+    sinks) is transformers' function unchanged, so a model switched to this one answers exactly as
+    before outside the engine."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or dropout
+            or kwargs.get("s_aux") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if query.device.type == "cuda" and heads != kv_heads:
+        return folded_attention(query, key, value, attention_mask, scaling), None
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def folded_attention(query, key, value, mask, scaling):
+    """Grouped-query attention as equal heads: the `group` query heads that share a KV head (heads
+    k*group .. k*group+group-1, as transformers' `repeat_kv` pairs them) become `group` blocks of
+    query rows of that KV head, each block seeing what its step sees. query [B, H, T, D], key/value
+    [B, KVH, L, D], mask [B, 1, T, L] -> [B, T, H, D]."""
+    batch, heads, steps, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    rows = mask.expand(batch, 1, steps, -1).repeat(1, 1, group, 1)  # row r*T + t sees what step t sees
+    out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, group * steps, dim), key, value, attn_mask=rows, scale=scaling)
+    return out.view(batch, heads, steps, dim).transpose(1, 2).contiguous()
+
+
+def use_static_sdpa(model) -> None:
+    """Switch a target loaded with transformers' "sdpa" attention to `static_sdpa` (registered once):
+    the attention kernel of the engine, chosen here and nowhere else."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register(STATIC_SDPA, static_sdpa)
+    # the target's own forwards (outside the engine) keep SDPA's boolean masks; with no mask
+    # function registered transformers would build none and ignore padding
+    AttentionMaskInterface.register(STATIC_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(STATIC_SDPA)
 
 
 def unservable_reason(model) -> str | None:
@@ -141,6 +196,7 @@ class StaticDecoder:
 
     def __init__(self, model, *, batch: int, length: int, tap_layers: tuple[int, ...] = (), trim: bool | None = None):
         check_servable(model)
+        use_static_sdpa(model)
         decoder = model.get_decoder()
         config = model.config
         self.model, self.decoder = model, decoder
