@@ -71,7 +71,7 @@ def decoding_engine(model) -> str:
     so answers of one path are never mixed with another's (they can part at bf16 near-ties): the
     static KV step on every device (`decoding.static_decoder`), replayed as a CUDA graph on a GPU
     (where transformers' own loop spent ~50 ms of host work per step) and attending over the
-    written columns only on a CPU (where it measured 1.02x transformers' loop, identical answers:
+    written columns only on a CPU (where it measured 1.09x transformers' loop, identical answers:
     bench/generate.py --engines). A target it cannot serve is refused in one line
     (`static_decoder.check_servable`), never sent down another path."""
     from dflash_pipeline.decoding.static_decoder import check_servable
