@@ -75,6 +75,12 @@ def write_params(scratch: Path, overrides: list[tuple[str, str, object]]) -> Non
         params[section].update(values)
     for section, key, value in overrides:
         params.setdefault(section, {})[key] = value
+    named = {(section, key) for section, key, _ in overrides}
+    model = str(params["target"]["model"])
+    if ("target", "model") in named and ("target", "watch") not in named and Path(model).expanduser().exists():
+        # A local target is also the target stage's dependency (params.yaml explains target.watch):
+        # --set target.model=DIR alone would be refused by the stage, so the demo sets both.
+        params["target"]["watch"] = model
     path.write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
     load_params(path)  # an unknown key or a bad value stops here, named
 

@@ -31,6 +31,18 @@ def test_the_demo_params_are_valid_and_overrides_apply_last(tmp_path):
         demo.write_params(tmp_path, [demo.parse_override("train.max_stepz=8")])
 
 
+def test_a_local_target_override_also_becomes_the_target_stage_dependency(tmp_path):
+    """--set target.model=DIR alone must not be refused by the target stage's watch check."""
+    demo = load_demo()
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    shutil.copy(REPO_ROOT / "params.yaml", tmp_path / "params.yaml")
+    demo.write_params(tmp_path, [demo.parse_override(f"target.model={model_dir}")])
+    assert yaml.safe_load((tmp_path / "params.yaml").read_text())["target"]["watch"] == str(model_dir)
+    demo.write_params(tmp_path, [demo.parse_override(f"target.model={model_dir}"), demo.parse_override("target.watch=elsewhere")])
+    assert yaml.safe_load((tmp_path / "params.yaml").read_text())["target"]["watch"] == "elsewhere"
+
+
 def test_the_demo_prompts_are_pinned_val_rows_then_train_rows():
     import json
 
