@@ -75,7 +75,7 @@ def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
     open_split(repo / "data" / "hidden" / "train", expected_fingerprint=target["fingerprint"])
     # a Qwen3 target decodes on the one engine in the generate stage and in evaluate (issue #36),
     # as the default Llama does, not on a slower loop nobody named
-    assert json.loads((repo / "data" / "metrics" / "generate.json").read_text())["settings"]["engine"] == "static-kv"
+    assert json.loads((repo / "data" / "generated" / "summary.json").read_text())["settings"]["engine"] == "static-kv"
     details = json.loads((repo / "data" / "eval" / "details.json").read_text())
     assert details["chain"]["engine"] == "static-kv" and "Running stage 'evaluate'" in again.stdout
 
