@@ -26,6 +26,10 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from dflash_pipeline.errors import PipelineError
 
@@ -55,8 +59,6 @@ def static_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     heads over the whole cache length first. Any other call (no mask, a float mask, dropout, attention
     sinks) is transformers' function unchanged, so a model switched to this one answers exactly as
     before outside the engine."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if (attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or dropout
             or kwargs.get("s_aux") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -80,19 +82,29 @@ def folded_attention(query, key, value, mask, scaling):
     return out.view(batch, heads, steps, dim).transpose(1, 2).contiguous()
 
 
-def use_static_sdpa(model) -> None:
-    """Switch a target loaded with transformers' "sdpa" attention to `static_sdpa` (registered once):
-    the attention kernel of the engine, chosen here and nowhere else."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
+@functools.cache
+def _register_static_sdpa() -> None:
     AttentionInterface.register(STATIC_SDPA, static_sdpa)
     # the target's own forwards (outside the engine) keep SDPA's boolean masks; with no mask
     # function registered transformers would build none and ignore padding
     AttentionMaskInterface.register(STATIC_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def use_static_sdpa(model) -> None:
+    """Switch a target loaded with transformers' "sdpa" attention to `static_sdpa` (registered once):
+    the attention kernel of the engine, chosen here and nowhere else."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    _register_static_sdpa()
     model.set_attn_implementation(STATIC_SDPA)
+
+
+def _rope_types(config) -> set[str]:
+    """The rope types a config names: one spelling for the model, or one per layer type."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not rope or "rope_type" in rope:
+        return {rope.get("rope_type", "default")}
+    return {value.get("rope_type", "default") for value in rope.values() if isinstance(value, dict)}
 
 
 def unservable_reason(model) -> str | None:
@@ -109,8 +121,7 @@ def unservable_reason(model) -> str | None:
         return f"model type '{model_type}' has layer types {sorted(layer_types - set(LAYER_TYPES))} (only {list(LAYER_TYPES)} are masked)"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return f"model type '{model_type}' soft-caps attention logits, which scaled-dot-product attention cannot"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_types = {rope.get("rope_type", "default")} if "rope_type" in rope or not rope else {v.get("rope_type", "default") for v in rope.values() if isinstance(v, dict)}
+    rope_types = _rope_types(config)
     if rope_types & set(LENGTH_DEPENDENT_ROPE):
         return f"model type '{model_type}' uses rope type {sorted(rope_types & set(LENGTH_DEPENDENT_ROPE))}, whose frequencies change with the length decoded"
     implementation = getattr(config, "_attn_implementation", None) or "eager"
@@ -156,13 +167,7 @@ def cache_argument(module, cache) -> dict:
     return {cache_keyword(module): cache}
 
 
-def _cache_base():
-    from transformers.cache_utils import Cache
-
-    return Cache
-
-
-class ColumnCache(_cache_base()):
+class ColumnCache(Cache):
     """The cache object handed to transformers' forward: every layer's `update` writes the new keys
     and values at the decoder's current columns and returns that layer's whole static buffers.
 
@@ -247,10 +252,10 @@ class StaticDecoder:
         if self.sliding_window is not None:
             near = positions[:, :, None] - self.key_positions[:, None, : visible.shape[-1]] < self.sliding_window
             sliding = (visible & near)[:, None]
-        if self.mask_kind == "additive":
+        if self.mask_kind == "additive":  # eager attention adds the mask to its scores
             hidden = torch.finfo(self.dtype).min
-            full = torch.zeros((), dtype=self.dtype, device=self.device).masked_fill(~full, hidden)
-            sliding = None if sliding is None else torch.zeros((), dtype=self.dtype, device=self.device).masked_fill(~sliding, hidden)
+            full = torch.where(full, 0.0, hidden).to(self.dtype)
+            sliding = None if sliding is None else torch.where(sliding, 0.0, hidden).to(self.dtype)
         if self.layer_types is None:
             return sliding if sliding is not None else full
         masks = {"full_attention": full}

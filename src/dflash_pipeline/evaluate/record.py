@@ -21,6 +21,7 @@ runs too) builds its section, and `evaluate` alone decides how it is written.
 from dataclasses import dataclass, field
 
 from dflash_pipeline.decoding.modes import DecodingMode
+from dflash_pipeline.errors import PipelineError
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,6 @@ class BestMode:
     def from_json(cls, section, where: str) -> "BestMode":
         """The `best_mode` section as `evaluate.report.best_mode_figures` writes it, read back and
         checked: a malformed record is one error naming `where` and the key."""
-        from dflash_pipeline.errors import PipelineError
-
         if not isinstance(section, dict):
             raise PipelineError(f"{where} is {type(section).__name__}, expected a mapping")
         for key in ("speedups", "refused"):
