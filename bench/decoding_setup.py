@@ -1,6 +1,9 @@
 """What bench/verify_length.py and bench/speculative.py share: their options, and the chosen
-drafter's decoding session (`decoding.session`: the real target, its head and taps) with the val
-shards and val prompts, loaded as `evaluate` loads them."""
+drafter's decoding session (`decoding.session`: the real target, its head and layers) with the
+val shards and val prompts, loaded as `evaluate` loads them; and `host_oracles`, which puts
+tests/ on the path for the benches that measure the engine against the host loops it replaced."""
+
+import sys
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +41,15 @@ class DecodingSetup:
     drafter = property(lambda self: self.session.drafter)
     head = property(lambda self: self.session.head)
     model = property(lambda self: self.session.model)
-    tap = property(lambda self: self.session.tap)
     eos_ids = property(lambda self: self.session.eos_ids)
+
+
+def host_oracles():
+    """tests/oracles as an importable package (`oracles.decoding`, `oracles.generate`, ...): the
+    references the engine is tested against, which the benches time it against too."""
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
 
 
 def load_decoding_setup(checkpoint, hidden: Path, generated: Path, target_json: Path, num_prompts: int, device: str) -> DecodingSetup:

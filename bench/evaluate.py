@@ -69,7 +69,11 @@ def main(checkpoint, hidden, target_json, params_path, sequences, device):
 
     from dflash_pipeline.config import load_params
     from dflash_pipeline.devices import timed
-    from dflash_pipeline.evaluate.scoring import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.evaluate.scoring import score_teacher_forced
+    from decoding_setup import host_oracles
+
+    host_oracles()
+    from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import TargetInfo
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint

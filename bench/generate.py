@@ -9,7 +9,7 @@ the same prompts (the first --batch prompts of the default set; batch 1 runs the
 --single-prompts of them), alternately, and the ratio of generated tokens per second is printed.
 Generated tokens are counted as produced: rows that stop at EOS leave the batch.
 
---engines runs `generate.static_greedy_generate` and `generate.dynamic_greedy_generate` on the
+--engines runs `generate.static_greedy_generate` and tests/oracles' `dynamic_greedy_generate` on the
 same --batch prompts, alternating round by round, prints tokens/s and their ratio and whether the
 answers are identical, and writes bench/results/generate_engines.json.
 """
@@ -76,7 +76,11 @@ def compare_engines(model, prompts, *, max_new_tokens, eos_ids, pad_id, rounds):
     import time
 
     from dflash_pipeline.devices import machine_description, timed
-    from dflash_pipeline.generate import dynamic_greedy_generate, static_greedy_generate
+    from dflash_pipeline.generate import static_greedy_generate
+    from decoding_setup import host_oracles
+
+    host_oracles()
+    from oracles.generate import dynamic_greedy_generate
 
     device = next(model.parameters()).device
     engines = {"static KV": static_greedy_generate, "transformers": dynamic_greedy_generate}

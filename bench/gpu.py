@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "src"))  # runs from a plain checkout, where the package is not installed
+sys.path.insert(1, str(REPO_ROOT / "tests"))  # tests/oracles: the host loops the engine is measured against
 
 
 def tiny_target_folder(folder: Path) -> Path:
@@ -189,7 +190,8 @@ def decode_figures(work: Path, target, *, device: str, steps: int, batch: int) -
     at `batch` rows. No EOS (an id no token has), so every row makes `steps` tokens."""
     from dflash_pipeline.data.prompts import read_prompts
     from dflash_pipeline.devices import timed
-    from dflash_pipeline.generate import dynamic_greedy_generate, render_prompt, static_greedy_generate
+    from dflash_pipeline.generate import render_prompt, static_greedy_generate
+    from oracles.generate import dynamic_greedy_generate
     from dflash_pipeline.target.load import load_target
 
     model, tokenizer = load_target(target, device=device)
@@ -263,23 +265,27 @@ def train_and_evaluate(work: Path, target, train_config, evaluate_config, *, dev
 
 def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, prompts: int, max_new_tokens: int) -> dict:
     """The trained drafter on both decoding loops, back to back on the same val prompts: the host
-    loop (`engine.host_speculative_decode`: transformers' forward, a read back per step) and the
+    loop (tests/oracles' `host_speculative_decode`: transformers' forward, a read back per step) and the
     static step (`static_speculation`), for plain decoding, the chain and a DDTree of 8, with
     whether their answers agree."""
-    from dflash_pipeline.decoding.engine import host_greedy_decode, host_speculative_decode
     from dflash_pipeline.decoding.session import open_session
-    from dflash_pipeline.decoding.static_speculation import StaticSpeculation, static_plain_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation, static_plain_decode
+    from dflash_pipeline.target.load import LayerTap
+    from oracles.decoding import host_greedy_decode, host_speculative_decode
+    from oracles.drafting import drafter_proposer, tree_proposer
     from dflash_pipeline.drafters.checkpoints import load_checkpoint
     from dflash_pipeline.evaluate.run import val_prompts
 
     drafter, _ = load_checkpoint(checkpoint, device=device)
     session = open_session(target, drafter, device=device)
-    model, tap, head, eos = session.model, session.tap, session.head, session.eos_ids
+    model, head, eos = session.model, session.head, session.eos_ids
+    tap = LayerTap(model, list(drafter.config.target_layer_ids))
     chosen = [ids for _, ids in val_prompts(work / "generated" / "val.parquet", prompts)]
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos)
     modes = {"plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common))}
     for name, budget in (("chain", None), ("tree8", 8)):
-        propose, static = session.proposer(tree_budget=budget), StaticSpeculation(drafter, head, tree_budget=budget)
+        propose = drafter_proposer(drafter, head) if budget is None else tree_proposer(drafter, head, budget)
+        static = Speculation(drafter, head, tree_budget=budget)
         modes[name] = (lambda ids, propose=propose: host_speculative_decode(model, tap, drafter, propose, ids, **common),
                        lambda ids, static=static: static.decode(model, ids, **common))
     figures = {}
@@ -293,7 +299,7 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
         figures[name] = {"host_tokens_per_s": round(rate["host"], 1), "static_tokens_per_s": round(rate["static"], 1),
                          "static_over_host": round(rate["static"] / rate["host"], 3),
                          "identical": sum(a.tokens == b.tokens for a, b in zip(runs["host"], runs["static"]))}
-    session.close()
+    tap.remove()
     for name in ("chain", "tree8"):
         figures[name]["static_speedup_over_plain"] = round(figures[name]["static_tokens_per_s"] / figures["plain"]["static_tokens_per_s"], 3)
     print(f"  engines: {figures}", flush=True)
@@ -311,7 +317,8 @@ def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> 
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.drafters.core import to_block_mask
     from dflash_pipeline.devices import autocast, bf16_by_default, timed
-    from dflash_pipeline.evaluate.scoring import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.evaluate.scoring import score_teacher_forced
+    from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import load_target_head
 

@@ -41,7 +41,7 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     from dflash_pipeline.decoding.sampling import Sampling
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
-    checkpoint, session, drafter, model, tap = setup.checkpoint, setup.session, setup.drafter, setup.model, setup.tap
+    checkpoint, session, drafter, model = setup.checkpoint, setup.session, setup.drafter, setup.model
     prompts, eos_ids, feature_dtype = setup.prompts, setup.eos_ids, setup.val_set.manifest.feature_dtype
     metrics = Path("data/metrics/eval.json")
     chosen_k = (read_json(metrics, missing="-").get("chain") or {}).get("verify_tokens") if metrics.is_file() else None
@@ -59,14 +59,14 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
         plain_tokens = plain_seconds = spec_tokens = spec_seconds = verify_seconds = decode_seconds = 0.0
         steps, identical, per_step = 0, 0, []
         for number, (_, prompt_ids) in enumerate(prompts):
-            propose = session.proposer(tree_budget=budget) if budget else session.proposer(sampling=sampling, verify_tokens=verify)
+            speculation = session.speculation(tree_budget=budget) if budget else session.speculation(verify_tokens=verify)
             runs = {}
 
             def plain():
                 runs["plain"] = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=sampling)
 
             def speculative():
-                runs["spec"] = speculative_decode(model, tap, drafter, propose, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                runs["spec"] = speculative_decode(model, speculation, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                                   feature_dtype=feature_dtype, sampling=sampling)
 
             for part in ((plain, speculative) if number % 2 == 0 else (speculative, plain)):

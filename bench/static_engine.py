@@ -4,10 +4,10 @@
                                   [--max-new-tokens 128] [--tree-budget 4] [--rounds 2] [--device cuda]
 
 The chosen drafter (data/eval/best.json) decodes the same val prompts on both engines:
-  host     `engine.host_greedy_decode` / `engine.host_speculative_decode`: transformers' forward
-           and DynamicCache, acceptance read back every step (the reference loops; called by name,
-           since `greedy_decode` / `speculative_decode` take the static engine for every target)
-  static   `static_speculation.static_plain_decode` / `StaticSpeculation.decode`: static KV,
+  host     tests/oracles' `host_greedy_decode` / `host_speculative_decode`: transformers' forward
+           and DynamicCache, acceptance read back every step (the loops the engine replaced, kept
+           as the references it is tested against)
+  static   `static_speculation.static_plain_decode` / `Speculation.decode`: static KV,
            a step drafted, verified and accepted on the device (`static-kv`)
 in three modes: plain greedy, the greedy chain (all B-1 tokens) and the greedy DDTree. Each
 (mode, prompt) runs host and static back to back, alternating which goes first, for `--rounds`
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import click
 
-from decoding_setup import decoding_options, load_decoding_setup
+from decoding_setup import decoding_options, host_oracles, load_decoding_setup
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -38,16 +38,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, tree_budget, rounds, json_path):
     import torch
 
-    from dflash_pipeline.decoding.engine import host_greedy_decode, host_speculative_decode
-    from dflash_pipeline.decoding.static_speculation import StaticSpeculation, static_plain_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation, static_plain_decode
     from dflash_pipeline.devices import machine_description
+    from dflash_pipeline.target.load import LayerTap
+
+    host_oracles()
+    from oracles.decoding import host_greedy_decode, host_speculative_decode
+    from oracles.drafting import drafter_proposer, tree_proposer
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
-    session, drafter, model, tap, head = setup.session, setup.drafter, setup.model, setup.tap, setup.head
+    drafter, model, head = setup.drafter, setup.model, setup.head
+    tap = LayerTap(model, list(drafter.config.target_layer_ids))  # the host loop reads the layers through hooks
     prompts, eos_ids, feature_dtype = setup.prompts, setup.eos_ids, setup.val_set.manifest.feature_dtype
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    chain_mode, tree_mode = StaticSpeculation(drafter, head), StaticSpeculation(drafter, head, tree_budget=tree_budget)
-    chain_proposer, tree_proposer = session.proposer(), session.proposer(tree_budget=tree_budget)
+    chain_mode, tree_mode = Speculation(drafter, head), Speculation(drafter, head, tree_budget=tree_budget)
+    chain_proposer, tree_proposer = drafter_proposer(drafter, head), tree_proposer(drafter, head, tree_budget)
     spec = dict(feature_dtype=feature_dtype, **common)
     modes = {  # mode -> (host engine, static engine)
         "plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common)),

@@ -29,22 +29,21 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
-    checkpoint, drafter, head, model, tap, val_set = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.tap, setup.val_set
+    checkpoint, drafter, head, model, val_set = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.val_set
     prompts, eos_ids = setup.prompts, setup.eos_ids
     config = load_params("params.yaml").evaluate
     scores = score_teacher_forced(drafter, head, val_set, anchors_per_sequence=config.anchors_per_sequence,
                                   tokens_per_batch=config.tokens_per_batch, tree_budgets=[], seed=config.seed)
     _, conditional = per_slot_acceptance(scores)
     block = drafter.config.block_size
-    propose = setup.session.proposer()
 
     costs = measure_forward_costs(model, prompts[0][1], block)
-    plan = plan_verify_tokens(model, tap, drafter, propose, prompts[0][1], conditional, eos_ids=eos_ids,
+    plan = plan_verify_tokens(model, setup.session.speculation(), prompts[0][1], conditional, eos_ids=eos_ids,
                               feature_dtype=val_set.manifest.feature_dtype, costs=costs)  # exactly as evaluate chooses
     chosen, rates, draft_steps = plan.tokens, plan.expected_rates, plan.draft_cost_steps
 
-    candidates = [(f"k={k}", drafter, setup.session.proposer(verify_tokens=k)) for k in range(1, block)]
-    results = end_to_end(model, tap, candidates, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+    candidates = [(f"k={k}", setup.session.speculation(verify_tokens=k)) for k in range(1, block)]
+    results = end_to_end(model, candidates, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                          feature_dtype=val_set.manifest.feature_dtype, progress=True)
     print(f"{checkpoint}: block {block}, teacher-forced conditional acceptance {[round(a, 3) for a in conditional]}; "
           f"{len(prompts)} val prompts x {max_new_tokens} tokens; torch threads {torch.get_num_threads()}")

@@ -12,7 +12,7 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 | bf16 capture (target forward in bf16) | capture.forward_batch under target.load_target's bf16 | test_bf16_capture_matches_fp32_within_bf16_rounding |
 | batched scoring under autocast with a bf16 head | evaluate.score_candidates | test_bf16_batched_scorer_agrees_with_the_one_block_reference |
 | speculative decoding, bf16 target + autocast drafter | engine.speculative_decode (`bf16`), is_near_tie | test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties |
-| bf16 features kept on the device | engine.as_stored | test_as_stored_bf16_equals_the_shard_round_trip |
+| bf16 features kept on the device | static_speculation.stored_features | test_as_stored_bf16_equals_the_shard_round_trip |
 | synchronised timing | devices.synchronize / timed (engine, bench/*) | tests/test_devices.py::test_timing_helper (CPU: no-op sync) |
 | `non_blocking=True` copies | blocks.Batch.to | every train test (a plain copy on CPU); pinned memory is not used |
 | NCCL process group, `cuda:LOCAL_RANK` | train._init_distributed, capture | NOT on CPU: the same code with gloo runs in test_train / test_capture |
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, stage_env
-from dflash_pipeline.drafters.core import Proposal
+from oracles.drafting import Proposal
 from dflash_pipeline import devices
 from dflash_pipeline.drafters import core as model_module
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
@@ -151,7 +151,8 @@ def test_bf16_batched_scorer_agrees_with_the_one_block_reference():
     """evaluate on a GPU: bf16 head, drafter under bf16 autocast. The batched scorer against the
     one-block loop in the same arithmetic: different matmul shapes round differently, so blocks
     may flip on near-ties, but the mean τ must agree and most blocks be identical."""
-    from dflash_pipeline.evaluate.scoring import score_one_block_at_a_time, score_teacher_forced
+    from dflash_pipeline.evaluate.scoring import score_teacher_forced
+    from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.target.load import TargetHead
 
     from test_evaluate import small_vocab_setup
@@ -177,8 +178,10 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
     A rigged drafter that knows the answer gets whole blocks accepted."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.decoding.engine import drafter_proposer, end_to_end, greedy_decode, is_near_tie, summarize_end_to_end
+    from dflash_pipeline.decoding.engine import EndToEndPrompt, end_to_end, first_difference, greedy_decode, is_near_tie, summarize_end_to_end
+    from dflash_pipeline.decoding.static_speculation import Speculation
     from dflash_pipeline.target.load import LayerTap, TargetHead
+    from oracles.decoding import host_speculative_decode
 
     target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     tap = LayerTap(target, [1, 3])
@@ -197,12 +200,18 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
 
         return propose
 
-    untrained = drafter_proposer(drafter, head)
+    untrained = Speculation(drafter, head)
     results = []
     for prompt_id, ids in prompts:
         answer = greedy_decode(target, ids, max_new_tokens=24, eos_ids={2}).tokens
-        results += end_to_end(target, tap, [("untrained", drafter, untrained), ("rigged", drafter, knows_the_answer(answer, len(ids)))],
-                              [(prompt_id, ids)], max_new_tokens=24, eos_ids={2}, feature_dtype="bf16", bf16=True)
+        (result,) = end_to_end(target, [("untrained", untrained)], [(prompt_id, ids)], max_new_tokens=24, eos_ids={2},
+                               feature_dtype="bf16", bf16=True)
+        # the rigged drafter proposes through the host oracle loop (a proposal is no tensor-level drafter)
+        rigged = host_speculative_decode(target, tap, drafter, knows_the_answer(answer, len(ids)), ids, max_new_tokens=24, eos_ids={2},
+                                         feature_dtype="bf16", bf16=True)
+        results.append(EndToEndPrompt(result.prompt_id, result.plain, {**result.speculative, "rigged": rigged},
+                                      {**result.near_ties, "rigged": is_near_tie(target, ids, result.plain.tokens, rigged.tokens, position)
+                                       if (position := first_difference(result.plain.tokens, rigged.tokens)) is not None else False}))
     for name in ("untrained", "rigged"):
         summary = summarize_end_to_end(results, name)
         assert summary.lossless_rate >= 0.5, summary.mismatches
@@ -219,7 +228,7 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
 
 
 def test_as_stored_bf16_equals_the_shard_round_trip():
-    from dflash_pipeline.decoding.engine import as_stored
+    from dflash_pipeline.decoding.static_speculation import stored_features as as_stored
     from dflash_pipeline.data.shards import decode_features, encode_features
 
     features = torch.randn(9, 24) * 50

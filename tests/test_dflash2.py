@@ -4,8 +4,9 @@ packed forward against one block at a time, and the config's serialised form."""
 import pytest
 import torch
 
-from dflash_pipeline.drafters.dflash2 import CandidateSelector, block_causal_conv, select_block, select_paths
-from dflash_pipeline.drafters.core import DraftCache, DFlashDrafter, DrafterConfig, dflash_mask, draft_block, draft_hidden
+from dflash_pipeline.drafters.dflash2 import CandidateSelector, block_causal_conv, select_paths
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
+from oracles.drafting import DraftCache, draft_block, draft_hidden, select_block
 from dflash_pipeline.target.load import TargetHead
 
 VOCAB = 97

@@ -157,7 +157,8 @@ def test_static_kv_generation_answers_the_default_prompts_as_transformers_does(e
     issue #28) gives transformers' own forward's greedy answers token for token, for the first
     default prompts of each category in one left-padded batch."""
     from dflash_pipeline.data.prompts import read_prompts
-    from dflash_pipeline.generate import dynamic_greedy_generate, render_prompt, static_greedy_generate
+    from dflash_pipeline.generate import render_prompt, static_greedy_generate
+    from oracles.generate import dynamic_greedy_generate
     from dflash_pipeline.target.load import load_target
 
     out_dir, _ = embedded_target
@@ -182,10 +183,10 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
     host loop's steps (issue #28)."""
     import torch
 
-    from dflash_pipeline.decoding import engine
-    from dflash_pipeline.decoding.static_speculation import StaticSpeculation, static_plain_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation, static_plain_decode
     from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
     from dflash_pipeline.target.load import LayerTap, TargetHead, load_target
+    from oracles.decoding import host_greedy_decode, host_speculative_decode
     from test_static_speculation import host_proposer, install_oracle
 
     out_dir, _ = embedded_target
@@ -200,13 +201,13 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
     prompts = read_prompts(Path(__file__).parents[1] / "data" / "prompts" / "default.jsonl", val_fraction=0.1).prompts[:2]
     for prompt in prompts:
         ids = render_prompt(tokenizer, prompt, system_prompt=None, enable_thinking=False)
-        reference = engine.host_greedy_decode(model, ids, max_new_tokens=40, eos_ids={2})
+        reference = host_greedy_decode(model, ids, max_new_tokens=40, eos_ids={2})
         assert static_plain_decode(model, ids, max_new_tokens=40, eos_ids={2}).tokens == reference.tokens
         with monkeypatch.context() as patch:
             install_oracle(patch, len(ids), reference.tokens, config.vocab_size)
             for mode in (dict(), dict(tree_budget=8)):
-                run = StaticSpeculation(drafter, head, **mode).decode(model, ids, max_new_tokens=40, eos_ids={2}, feature_dtype="bf16")
-                host = engine.host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), ids, max_new_tokens=40,
+                run = Speculation(drafter, head, **mode).decode(model, ids, max_new_tokens=40, eos_ids={2}, feature_dtype="bf16")
+                host = host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), ids, max_new_tokens=40,
                                                       eos_ids={2}, feature_dtype="bf16")
                 assert run.tokens == reference.tokens == host.tokens and run.steps == host.steps and max(run.steps) >= 3
     tap.remove()

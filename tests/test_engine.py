@@ -1,23 +1,16 @@
-"""decoding/engine.py on the tiny Llama: plain decoding streams and stops where it should, a
-verified prefix cuts a proposal (and its q) to k tokens, a tree verify leaves the target's cache
-holding exactly the accepted path, and `end_to_end` runs every candidate on every prompt against
-one plain run, lossless at T = 0."""
+"""decoding/engine.py on the tiny Llama: plain decoding streams and stops where it should and
+`end_to_end` runs every candidate on every prompt against one plain run, lossless at T = 0; and the
+host oracles the engine is tested against: a verified prefix cuts a proposal (and its q) to k
+tokens, a tree verify leaves the target's cache holding exactly the accepted path."""
 
 import pytest
 import torch
 
-from dflash_pipeline.decoding.engine import (
-    Proposal,
-    drafter_proposer,
-    end_to_end,
-    first_difference,
-    greedy_decode,
-    keep_path,
-    summarize_end_to_end,
-    verified_prefix,
-    verify_tree,
-)
-from dflash_pipeline.decoding.trees import ANCHOR, DraftTree
+from dflash_pipeline.decoding.engine import end_to_end, first_difference, greedy_decode, summarize_end_to_end
+from dflash_pipeline.decoding.static_speculation import Speculation
+from oracles.decoding import keep_path, verify_tree
+from oracles.drafting import Proposal, verified_prefix
+from oracles.trees import ANCHOR, DraftTree
 from test_trees import plain_logits, prefilled
 
 
@@ -52,10 +45,10 @@ def test_a_verified_prefix_cuts_the_tokens_and_their_q_rows():
 
 
 def test_end_to_end_runs_every_candidate_on_every_prompt_losslessly(tiny_target):
-    model, tap, head, drafter, prompt = tiny_target
+    model, _, head, drafter, prompt = tiny_target
     prompts = [("a", prompt), ("b", prompt[:5])]
-    candidates = [("chain", drafter, drafter_proposer(drafter, head)), ("k1", drafter, verified_prefix(drafter_proposer(drafter, head), 1))]
-    results = end_to_end(model, tap, candidates, prompts, max_new_tokens=8, eos_ids=set(), feature_dtype="bf16")
+    candidates = [("chain", Speculation(drafter, head)), ("k1", Speculation(drafter, head, verify_tokens=1))]
+    results = end_to_end(model, candidates, prompts, max_new_tokens=8, eos_ids=set(), feature_dtype="bf16")
     assert [r.prompt_id for r in results] == ["a", "b"] and all(set(r.speculative) == {"chain", "k1"} for r in results)
     for name in ("chain", "k1"):
         summary = summarize_end_to_end(results, name)

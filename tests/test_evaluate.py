@@ -8,19 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.drafters.core import Proposal
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.decoding.engine import (
     DecodeRun,
     EndToEndPrompt,
     choose_verify_tokens,
-    drafter_proposer,
     forward_costs,
     greedy_decode,
     speculative_decode,
     summarize_end_to_end,
-    verified_prefix,
 )
+from dflash_pipeline.decoding.static_speculation import Speculation
 from dflash_pipeline.evaluate.record import Mismatch
 from dflash_pipeline.evaluate.run import check_drafter_contract, select_checkpoints, val_prompts
 from dflash_pipeline.evaluate.scoring import (
@@ -33,13 +31,15 @@ from dflash_pipeline.evaluate.scoring import (
     logits_into,
     paired_difference,
     per_slot_acceptance,
-    score_one_block_at_a_time,
     score_teacher_forced,
     summarize_blocks,
 )
-from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, DrafterConfig, draft_block
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.data.shards import Sample
+from oracles.decoding import host_greedy_decode, host_speculative_decode
+from oracles.drafting import DraftCache, Proposal, draft_block, verified_prefix
+from oracles.scoring import score_one_block_at_a_time
 
 LOG = math.log
 
@@ -353,9 +353,9 @@ def test_contract_and_checkpoint_selection_errors_name_the_field(tmp_path):
 
 
 def test_untrained_drafter_decodes_losslessly_with_tau_near_one(tiny_target):
-    model, tap, head, drafter, prompt = tiny_target
+    model, _, head, drafter, prompt = tiny_target
     plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
-    spec = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head), prompt, max_new_tokens=30, eos_ids={2})
+    spec = speculative_decode(model, Speculation(drafter, head), prompt, max_new_tokens=30, eos_ids={2})
     assert len(plain.tokens) == 30 and spec.tokens == plain.tokens
     assert 1.0 <= np.mean(spec.steps) < 1.5 and sum(spec.steps) == 29  # the first token comes from the prefill
 
@@ -364,20 +364,19 @@ def test_untrained_drafter_decodes_losslessly_with_tau_near_one(tiny_target):
 def test_a_dflash2_drafter_decodes_losslessly_with_its_selector(tiny_target, mode):
     from test_dflash2 import randomize
 
-    from dflash_pipeline.decoding.engine import tree_proposer
     from dflash_pipeline.decoding.sampling import Sampling
 
-    model, tap, head, drafter, prompt = tiny_target
+    model, _, head, drafter, prompt = tiny_target
     torch.manual_seed(0)
     dflash2 = randomize(DFlashDrafter(replace(drafter.config, architecture="dflash2", options=dict(conv_kernel_size=2, conv_group_size=16,
                                               selector_rank=8, selector_top_k=4))), seed=2)
     if mode in ("chain", "tree"):
-        propose = drafter_proposer(dflash2, head) if mode == "chain" else tree_proposer(dflash2, head, 6)
+        speculation = Speculation(dflash2, head, tree_budget=6 if mode == "tree" else None)
         plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
-        assert speculative_decode(model, tap, dflash2, propose, prompt, max_new_tokens=30, eos_ids={2}).tokens == plain.tokens
+        assert speculative_decode(model, speculation, prompt, max_new_tokens=30, eos_ids={2}).tokens == plain.tokens
         return
     sampling = Sampling(1.0, rule=mode, top_k=3, seed=4)
-    run = speculative_decode(model, tap, dflash2, drafter_proposer(dflash2, head, sampling), prompt, max_new_tokens=20, eos_ids={2},
+    run = speculative_decode(model, Speculation(dflash2, head), prompt, max_new_tokens=20, eos_ids={2},
                              sampling=sampling)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + run.tokens])).logits[0, len(prompt) - 1 : -1]
@@ -385,8 +384,8 @@ def test_a_dflash2_drafter_decodes_losslessly_with_its_selector(tiny_target, mod
 
 
 def oracle(reference: list[int], wrong_from: int | None = None, block_size: int = 5):
-    """A rigged drafter that knows the plain greedy answer and proposes its next B-1 tokens
-    (optionally wrong from one slot on)."""
+    """A rigged drafter for the host oracle loop (`oracles.decoding`) that knows the plain greedy
+    answer and proposes its next B-1 tokens (optionally wrong from one slot on)."""
     def propose(cache, anchor):
         produced = cache.length - oracle.prompt_length  # answer tokens committed before the anchor
         proposal = reference[produced + 1 : produced + block_size]
@@ -402,10 +401,10 @@ def test_a_perfect_drafter_is_accepted_whole_and_a_wrong_slot_stops_acceptance(t
     model, tap, head, drafter, prompt = tiny_target
     plain = greedy_decode(model, prompt, max_new_tokens=41, eos_ids={2})
     oracle.prompt_length = len(prompt)
-    perfect = speculative_decode(model, tap, drafter, oracle(plain.tokens), prompt, max_new_tokens=41, eos_ids={2})
+    perfect = host_speculative_decode(model, tap, drafter, oracle(plain.tokens), prompt, max_new_tokens=41, eos_ids={2})
     assert perfect.tokens == plain.tokens
     assert perfect.steps == [5] * 8  # 1 + 8 steps x 5 tokens = 41: every block accepted whole plus the bonus
-    two_right = speculative_decode(model, tap, drafter, oracle(plain.tokens, wrong_from=2), prompt, max_new_tokens=41, eos_ids={2})
+    two_right = host_speculative_decode(model, tap, drafter, oracle(plain.tokens, wrong_from=2), prompt, max_new_tokens=41, eos_ids={2})
     assert two_right.tokens == plain.tokens and set(two_right.steps[:-1]) == {3}
 
 
@@ -469,12 +468,12 @@ def test_speculative_decoding_stops_at_an_eos_accepted_inside_a_block():
     prompt = [1, 2, 3, 4, 5, 6]
     answer = script[len(prompt) - 1 :]
     eos = {answer[6]}  # block 1 commits answer tokens 1-4, block 2 tokens 5-8: the EOS is accepted mid-block
-    plain = greedy_decode(target, prompt, max_new_tokens=30, eos_ids=eos)
+    plain = host_greedy_decode(target, prompt, max_new_tokens=30, eos_ids=eos)
     assert plain.tokens == answer[:7]
     oracle.prompt_length = len(prompt)
-    spec = speculative_decode(target, tap, drafter, oracle(answer, block_size=4), prompt, max_new_tokens=30, eos_ids=eos)
+    spec = host_speculative_decode(target, tap, drafter, oracle(answer, block_size=4), prompt, max_new_tokens=30, eos_ids=eos)
     assert spec.tokens == plain.tokens and spec.steps == [4, 4]
-    capped = speculative_decode(target, tap, drafter, oracle(answer, block_size=4), prompt, max_new_tokens=3, eos_ids=set())
+    capped = host_speculative_decode(target, tap, drafter, oracle(answer, block_size=4), prompt, max_new_tokens=3, eos_ids=set())
     assert capped.tokens == answer[:3]
 
 
@@ -494,8 +493,6 @@ def test_a_sliding_window_drafter_drafts_the_same_batched_as_at_decoding():
     # batched forward of training and scoring gets its mask from blocks.build_batch, which must
     # apply the same window.
     from dflash_pipeline.data.blocks import build_batch, scoring_anchor_seed
-    from dflash_pipeline.drafters.core import DraftCache, draft_block
-
     drafter, head, split = small_vocab_setup()
     windowed = DFlashDrafter(replace(drafter.config, sliding_window=3)).eval()
     windowed.load_state_dict(drafter.state_dict())
@@ -552,22 +549,24 @@ def test_a_draft_vocabulary_drafts_and_scores_in_its_own_columns():
     assert (first_labels == 1).any() and full.correct.shape == batched.correct.shape  # the data exercises an absent label
 
 
-def test_speculative_decoding_with_a_draft_vocabulary_stays_lossless(tiny_target):
-    model, tap, head, drafter, prompt = tiny_target
+def test_speculative_decoding_with_a_draft_vocabulary_stays_lossless(tiny_target, monkeypatch):
+    model, _, head, drafter, prompt = tiny_target
     plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
     restricted = DFlashDrafter(drafter.config).eval()
     restricted.load_state_dict(drafter.state_dict())
     vocabulary = sorted(set(plain.tokens[::2]) | {5, 77, 4000})
     restricted.set_draft_vocab(torch.tensor(vocabulary))
     proposed = []
-    propose = drafter_proposer(restricted, head)
+    member = type(restricted.architecture)
+    draft_chain = member.draft_chain
 
-    def recording(cache, anchor):
-        proposal = propose(cache, anchor)
-        proposed.extend(proposal.tokens)
-        return proposal
+    def recording(self, *args, **kwargs):  # the engine's drafting hook, its chains seen on the way (eager on a CPU)
+        tokens, q = draft_chain(self, *args, **kwargs)
+        proposed.extend(tokens.tolist())
+        return tokens, q
 
-    spec = speculative_decode(model, tap, restricted, recording, prompt, max_new_tokens=30, eos_ids={2})
+    monkeypatch.setattr(member, "draft_chain", recording)
+    spec = speculative_decode(model, Speculation(restricted, head), prompt, max_new_tokens=30, eos_ids={2})
     assert spec.tokens == plain.tokens and proposed and set(proposed) <= set(vocabulary)
 
 
@@ -587,7 +586,7 @@ def test_verifying_a_prefix_of_the_draft_stays_lossless(tiny_target):
     plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
     oracle.prompt_length = len(prompt)
     for tokens in (1, 2):
-        spec = speculative_decode(model, tap, drafter, verified_prefix(oracle(plain.tokens), tokens), prompt, max_new_tokens=30,
+        spec = host_speculative_decode(model, tap, drafter, verified_prefix(oracle(plain.tokens), tokens), prompt, max_new_tokens=30,
                                   eos_ids={2})
         assert spec.tokens == plain.tokens
         assert set(spec.steps[:-1]) == {tokens + 1}  # every step commits the verified prefix plus the bonus
@@ -599,13 +598,12 @@ def test_verifying_a_prefix_of_the_draft_stays_lossless(tiny_target):
 def test_sampled_speculative_decoding_commits_only_tokens_the_target_could_sample(tiny_target, rule):
     from dflash_pipeline.decoding.sampling import Sampling
 
-    model, tap, head, drafter, prompt = tiny_target
+    model, _, head, drafter, prompt = tiny_target
     sampling = Sampling(1.0, rule=rule, top_k=3, seed=5)
     streamed = []
-    run = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head, sampling), prompt, max_new_tokens=30, eos_ids={2},
-                             sampling=sampling, on_tokens=streamed.extend)
-    again = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head, sampling), prompt, max_new_tokens=30, eos_ids={2},
-                               sampling=sampling)
+    run = speculative_decode(model, Speculation(drafter, head), prompt, max_new_tokens=30, eos_ids={2}, sampling=sampling,
+                             on_tokens=streamed.extend)
+    again = speculative_decode(model, Speculation(drafter, head), prompt, max_new_tokens=30, eos_ids={2}, sampling=sampling)
     assert run.tokens == again.tokens and streamed == run.tokens and len(run.tokens) == 30
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + run.tokens])).logits[0, len(prompt) - 1 : -1]

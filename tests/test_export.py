@@ -16,7 +16,7 @@ from dflash_pipeline.drafters import family
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.export import export_checkpoint
 from dflash_pipeline.drafters.serving import PROVENANCE_FILE, export_drafter, load_dflash_drafter
-from dflash_pipeline.drafters.core import DraftCache, draft_block
+from oracles.drafting import DraftCache, draft_block
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
 from dflash_pipeline.target.load import TargetHead
 
@@ -521,7 +521,7 @@ def test_dflash2_export_writes_the_public_contract_and_round_trips(tmp_path):
 
 
 def test_a_dflash2_draft_vocabulary_travels_beside_the_full_vocabulary_codebooks(tmp_path):
-    from dflash_pipeline.drafters.dflash2 import select_block
+    from oracles.drafting import select_block
 
     drafter = random_drafter(tiny_dflash2_config())
     drafter.set_draft_vocab(torch.tensor([9, 4, 17, 30, 55, 61, 80]))
@@ -602,8 +602,7 @@ def test_zlab_reference_walks_the_same_dflash2_selector_paths(tmp_path, zlab_dfl
     drafted hidden states (equal to 5e-5). Its top-K is unsorted, so candidates and q are compared per token id."""
     from transformers import DynamicCache
 
-    from dflash_pipeline.drafters.core import draft_hidden
-    from dflash_pipeline.drafters.dflash2 import select_block
+    from oracles.drafting import draft_hidden, select_block
 
     config = make_config()
     drafter, head = random_drafter(config), random_head(config)

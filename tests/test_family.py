@@ -13,7 +13,9 @@ import torch
 from conftest import REPO_ROOT
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.architecture import Architecture, correct_argmax
-from dflash_pipeline.drafters.core import ArchitectureModule, DFlashDrafter, DraftCache, DrafterConfig, draft_block
+from dflash_pipeline.drafters.core import ArchitectureModule, DFlashDrafter, DrafterConfig
+from oracles.drafting import DraftCache, draft_block
+from oracles.scoring import score_one_block_at_a_time
 from dflash_pipeline.target.load import TargetHead
 from test_model import VOCAB, packed_blocks, reference_block
 
@@ -88,10 +90,6 @@ class Gated(Architecture):
 
     def score_blocks(self, drafter, *, hidden, logits, anchors, labels, valid):
         return None, {"argmax_correct": correct_argmax(drafter, logits, labels.to(logits.device), valid.to(logits.device))}
-
-    def score_one_block(self, drafter, head, cache, *, anchor_token, logits, label_ids, valid):
-        return None, {"argmax_correct": correct_argmax(drafter, logits[None], label_ids[None].to(logits.device),
-                                                       valid[None].to(logits.device))}
 
     def summarize_extras(self, scores):
         return {"blocks_with_a_hit": round(float(scores.extras["argmax_correct"].any(axis=1).mean()), 4)}
@@ -178,17 +176,18 @@ def test_export_round_trip_and_config_round_trip(name, request, tmp_path):
 
 @pytest.mark.parametrize("name", every_member())
 def test_speculative_decoding_is_lossless(name, request, tiny_target):
-    from dflash_pipeline.decoding.engine import drafter_proposer, greedy_decode, speculative_decode, tree_proposer
+    from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation
 
     if name == "gated-test":
         request.getfixturevalue("gated")
-    model, tap, head, plain_drafter, prompt = tiny_target
+    model, _, head, plain_drafter, prompt = tiny_target
     options = dict(OPTIONS[name], conv_group_size=16) if name == "dflash2" else OPTIONS[name]
     torch.manual_seed(0)
     drafter = DFlashDrafter(replace(plain_drafter.config, architecture=name, options=options)).eval()
     plain = greedy_decode(model, prompt, max_new_tokens=12, eos_ids={2})
-    for propose in (drafter_proposer(drafter, head), tree_proposer(drafter, head, 4)):
-        run = speculative_decode(model, tap, drafter, propose, prompt, max_new_tokens=12, eos_ids={2}, feature_dtype="fp32")
+    for speculation in (Speculation(drafter, head), Speculation(drafter, head, tree_budget=4)):
+        run = speculative_decode(model, speculation, prompt, max_new_tokens=12, eos_ids={2}, feature_dtype="fp32")
         assert run.tokens == plain.tokens
 
 
@@ -217,10 +216,11 @@ def test_an_unknown_architecture_or_option_is_one_line_naming_the_key():
 def test_a_third_architecture_trains_scores_decodes_and_exports_with_no_edit_elsewhere(gated, tiny_run, tiny_target, tmp_path):
     from dflash_pipeline.config import TrainConfig
     from dflash_pipeline.data.shards import open_split
-    from dflash_pipeline.decoding.engine import drafter_proposer, greedy_decode, speculative_decode
+    from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation
     from dflash_pipeline.drafters.checkpoints import load_checkpoint
     from dflash_pipeline.drafters.serving import export_drafter, load_dflash_drafter
-    from dflash_pipeline.evaluate.scoring import score_one_block_at_a_time, score_teacher_forced, summarize_blocks
+    from dflash_pipeline.evaluate.scoring import score_teacher_forced, summarize_blocks
     from dflash_pipeline.target.load import load_target_head
     from dflash_pipeline.train.run import run_train
 
@@ -245,10 +245,10 @@ def test_a_third_architecture_trains_scores_decodes_and_exports_with_no_edit_els
     summary = summarize_blocks(batched)
     assert 0.0 <= summary.extras["blocks_with_a_hit"] <= 1.0 and summary.tau.mean >= 1.0  # the member's own metric, in the record's extras
 
-    model, tap, _, _, prompt = tiny_target
+    model, _, _, _, prompt = tiny_target
     model_head = TargetHead(model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach())
     greedy = greedy_decode(model, prompt, max_new_tokens=10, eos_ids={2})
-    speculative = speculative_decode(model, tap, drafter, drafter_proposer(drafter, model_head), prompt, max_new_tokens=10, eos_ids={2},
+    speculative = speculative_decode(model, Speculation(drafter, model_head), prompt, max_new_tokens=10, eos_ids={2},
                                      feature_dtype="fp32")
     assert speculative.tokens == greedy.tokens
 

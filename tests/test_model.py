@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_pipeline.train.loss import decay_weights, default_gamma
-from dflash_pipeline.drafters.core import DraftCache, draft_block
+from oracles.drafting import DraftCache, draft_block
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
 from dflash_pipeline.target.load import TargetHead
 

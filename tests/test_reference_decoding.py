@@ -12,11 +12,12 @@ both, by a chi-square test, and the first step's acceptance length has the same 
 import pytest
 import torch
 
-from dflash_pipeline.decoding.engine import drafter_proposer, speculative_decode
+from dflash_pipeline.decoding.engine import speculative_decode
+from dflash_pipeline.decoding.static_speculation import Speculation
 from dflash_pipeline.drafters.core import DrafterConfig
 from dflash_pipeline.decoding.sampling import Sampling
 from dflash_pipeline.drafters.serving import export_drafter
-from dflash_pipeline.target.load import LayerTap, TargetHead
+from dflash_pipeline.target.load import TargetHead
 from test_export import random_drafter
 
 pytestmark = pytest.mark.slow  # minutes: thousands of sampled decodes against z-lab's reference (test lanes, pyproject.toml)
@@ -91,16 +92,13 @@ def test_our_speculative_sampling_matches_the_reference_decoder_in_distribution(
     prompt = [3, 17, 5, 9, 22, 11]
 
     ours, theirs = {"second": [], "third": [], "first_step": []}, {"second": [], "third": [], "first_step": []}
-    tap = LayerTap(model, [1, 3])
-    try:
-        for seed in range(RUNS):
-            sampling = Sampling(1.0, rule="ratio", seed=seed)
-            run = speculative_decode(model, tap, drafter, drafter_proposer(drafter, head, sampling), prompt, max_new_tokens=NEW_TOKENS,
-                                     eos_ids=set(), sampling=sampling, feature_dtype="bf16")
-            for key, value in zip(ours, (run.tokens[1], run.tokens[2], run.steps[0])):
-                ours[key].append(value)
-    finally:
-        tap.remove()
+    speculation = Speculation(drafter, head)
+    for seed in range(RUNS):
+        sampling = Sampling(1.0, rule="ratio", seed=seed)
+        run = speculative_decode(model, speculation, prompt, max_new_tokens=NEW_TOKENS, eos_ids=set(), sampling=sampling,
+                                 feature_dtype="bf16")
+        for key, value in zip(ours, (run.tokens[1], run.tokens[2], run.steps[0])):
+            ours[key].append(value)
     for seed in range(RUNS):
         torch.manual_seed(seed)
         stats = reference_module.dflash_generate(reference, model, torch.tensor([prompt]), NEW_TOKENS, None, temperature=1.0,

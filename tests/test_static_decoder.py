@@ -6,7 +6,8 @@ import torch
 
 from dflash_pipeline.decoding.static_decoder import StaticDecoder, supports
 from dflash_pipeline.devices import READ_EVERY
-from dflash_pipeline.generate import decoding_engine, dynamic_greedy_generate, left_padded, static_greedy_generate
+from dflash_pipeline.generate import decoding_engine, left_padded, static_greedy_generate
+from oracles.generate import dynamic_greedy_generate
 from test_step_contract import DeviceReads, Paused
 
 
@@ -249,6 +250,30 @@ def test_folded_grouped_query_attention_equals_grouped_sdpa():
     mask[..., 0] = True  # no empty row
     expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
     assert torch.allclose(folded_attention(query, key, value, mask, 0.3), expected.transpose(1, 2), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2-sliding"])
+def test_masks_folded_once_per_forward_give_the_grouped_steps_logits(kind, monkeypatch):
+    """CUDA's decoder (`fold_heads`) hands every layer masks already folded for the query groups,
+    sliding ones included; on a CPU, forced on, its prefill and steps equal the grouped decoder's."""
+    from dflash_pipeline.decoding import static_decoder
+
+    model = tiny_layout(kind)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    folded_calls = []
+    folded = static_decoder.folded_attention
+    monkeypatch.setattr(static_decoder, "folded_attention", lambda q, k, v, mask, s: folded_calls.append(mask.shape[-2]) or folded(q, k, v, mask, s))
+    ids, valid = left_padded([[token % 1000 + 3 for token in prompt] for prompt in _prompts(3, 30)], 0)
+    outputs = {}
+    for fold in (False, True):
+        decoder = StaticDecoder(model, batch=3, length=ids.shape[1] + 20, fold_heads=fold)
+        assert decoder.fold_groups == (model.config.num_attention_heads // model.config.num_key_value_heads if fold else 1)
+        steps = [decoder.prefill(ids, valid)]
+        for _ in range(16):  # past the sliding window of 12
+            steps.append(decoder.step(steps[-1].argmax(-1)))
+        outputs[fold] = torch.stack(steps)
+    assert folded_calls and all(rows % decoder.fold_groups == 0 for rows in folded_calls)
+    torch.testing.assert_close(outputs[True], outputs[False], atol=2e-5, rtol=1e-5)
 
 
 def test_the_engine_attention_serves_a_switched_model_outside_the_engine_as_before(tiny_target):

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import dflash_pipeline.decoding.static_speculation as static
-from dflash_pipeline.decoding import engine
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms
-from dflash_pipeline.decoding.static_speculation import StaticSpeculation, accept_greedy, static_plain_decode
+from dflash_pipeline.decoding.static_speculation import Speculation, accept_greedy, static_plain_decode
 from dflash_pipeline.decoding.trees import PADDING, ranked_candidates, ranked_candidates_on_device
+from oracles.decoding import host_greedy_decode, host_speculative_decode
+from oracles.drafting import drafter_proposer, tree_proposer, verified_prefix
 from test_step_contract import DeviceReads, Paused
 
 MAX_NEW = 48
@@ -44,15 +45,22 @@ class Oracle:
 
 
 def install_oracle(monkeypatch, prompt_length: int, answer: list[int], vocab: int) -> Oracle:
-    """Patch both loops' draft logits with an oracle over `answer` (the prompt's greedy answer)."""
+    """Patch the draft logits of the engine and of the host oracle loop with an oracle over
+    `answer` (the prompt's greedy answer)."""
     import dflash_pipeline.drafters.architecture as architecture
+    import oracles.drafting as host_drafting
 
     table = Oracle(prompt_length, answer, vocab)
     hidden = static.StaticDraftCache.hidden
+    host_hidden = host_drafting.draft_hidden
 
     def static_hidden(self, head, anchor, start):
         table.position = start
         return hidden(self, head, anchor, start)
+
+    def host_hidden_at(drafter, head, cache, anchor):
+        table.position = cache.length
+        return host_hidden(drafter, head, cache, anchor)
 
     def host_block(drafter, head, cache, anchor):
         table.position = cache.length
@@ -64,23 +72,24 @@ def install_oracle(monkeypatch, prompt_length: int, answer: list[int], vocab: in
     monkeypatch.setattr(static.StaticDraftCache, "hidden", static_hidden)
     monkeypatch.setattr(static, "draft_logits", oracle_logits)
     monkeypatch.setattr(architecture, "draft_logits", oracle_logits)
-    monkeypatch.setattr(architecture, "draft_block", host_block)
+    monkeypatch.setattr(host_drafting, "draft_hidden", host_hidden_at)
+    monkeypatch.setattr(host_drafting, "draft_block", host_block)
     return table
 
 
 def host_proposer(drafter, head, mode: dict):
     """The host loop's proposer of one of MODES."""
     if "tree_budget" in mode:
-        return engine.tree_proposer(drafter, head, mode["tree_budget"])
-    propose = engine.drafter_proposer(drafter, head)
-    return engine.verified_prefix(propose, mode["verify_tokens"]) if "verify_tokens" in mode else propose
+        return tree_proposer(drafter, head, mode["tree_budget"])
+    propose = drafter_proposer(drafter, head)
+    return verified_prefix(propose, mode["verify_tokens"]) if "verify_tokens" in mode else propose
 
 
 @pytest.fixture
 def oracle(tiny_target, monkeypatch):
     """The oracle for the tiny target's prompt; returns its plain greedy decoding."""
     model, tap, head, drafter, prompt = tiny_target
-    reference = engine.host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    reference = host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
     install_oracle(monkeypatch, len(prompt), reference.tokens, model.config.vocab_size)
     return reference
 
@@ -91,9 +100,9 @@ MODES = [dict(), dict(verify_tokens=2), dict(tree_budget=3), dict(tree_budget=8)
 @pytest.mark.parametrize("mode", MODES, ids=["chain", "chain-2", "tree-3", "tree-8"])
 def test_static_speculation_equals_plain_greedy_and_the_host_loop(tiny_target, oracle, mode):
     model, tap, head, drafter, prompt = tiny_target
-    run = StaticSpeculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    run = Speculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
     assert run.tokens == oracle.tokens
-    host = engine.host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), prompt, max_new_tokens=MAX_NEW,
+    host = host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), prompt, max_new_tokens=MAX_NEW,
                                           eos_ids={2})
     assert host.tokens == run.tokens
     assert run.steps == host.steps and run.drafted == host.drafted  # the same trees, the same accepted paths
@@ -112,14 +121,14 @@ def test_a_tree_accepts_paths_through_second_ranked_nodes(tiny_target, oracle, m
         return count, path, bonus
 
     monkeypatch.setattr(static, "accept_greedy", watching)
-    run = StaticSpeculation(drafter, head, tree_budget=8).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    run = Speculation(drafter, head, tree_budget=8).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
     assert run.tokens == oracle.tokens and any(moved)
 
 
 def test_plain_static_decoding_equals_transformers(tiny_target):
     model, tap, head, drafter, prompt = tiny_target
     for eos in ({2}, {-5}):
-        reference = engine.host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos)
+        reference = host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos)
         streamed = []
         run = static_plain_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos, on_tokens=streamed.extend, read_every=5)
         assert run.tokens == reference.tokens == streamed
@@ -130,9 +139,9 @@ def test_an_eos_inside_a_block_ends_the_answer_there(tiny_target, oracle):
     and the steps after the end (until the read) change nothing."""
     model, tap, head, drafter, prompt = tiny_target
     frequent = max(set(oracle.tokens[1:]), key=oracle.tokens.count)
-    expected = engine.host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent})
+    expected = host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent})
     streamed = []
-    run = StaticSpeculation(drafter, head).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent}, read_every=16,
+    run = Speculation(drafter, head).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={frequent}, read_every=16,
                                                   on_tokens=streamed.extend)
     assert run.tokens == expected.tokens == streamed and run.tokens[-1] == frequent
     assert sum(run.steps) >= len(run.tokens) - 1
@@ -202,7 +211,7 @@ def test_a_step_reads_nothing_back_and_copies_nothing_in(gpu_shaped_steps, tiny_
 
 def test_the_loop_reads_once_every_read_interval(gpu_shaped_steps, tiny_target):
     model, tap, head, drafter, prompt = tiny_target
-    mode = StaticSpeculation(drafter, head)
+    mode = Speculation(drafter, head)
     mode.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-5})  # builds the step (allocation reads nothing either)
     reads = DeviceReads()
     quiet = Paused(reads, static.SpeculativeStep.prefill)  # the prefill is not a step
@@ -263,6 +272,6 @@ def test_every_layout_speculates_token_for_token_what_it_decodes_plainly(kind, m
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert plain.tokens == expected[0, len(prompt):].tolist()
     install_oracle(monkeypatch, len(prompt), plain.tokens, model.config.vocab_size)
-    run = StaticSpeculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
+    run = Speculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
     assert run.tokens == plain.tokens
     assert max(run.steps) >= 3 and min(run.steps) == 1

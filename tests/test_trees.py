@@ -1,12 +1,15 @@
-"""Draft trees: the tree mask against plain forwards, and tree decoding that stays lossless where the
-answer lies off the drafter's top-1 chain (the engine's tree verify and cache: tests/test_engine.py)."""
+"""Draft trees: the host oracles' tree mask against plain forwards and their tree decoding, lossless
+where the answer lies off the drafter's top-1 chain (a scripted stand-in target); the engine's
+DDTree decoding with a real drafter equals plain greedy (more in tests/test_static_speculation.py)."""
 
 import pytest
 import torch
 
-from dflash_pipeline.drafters.core import Proposal
-from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode, tree_proposer
-from dflash_pipeline.decoding.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
+from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
+from dflash_pipeline.decoding.static_speculation import Speculation
+from oracles.decoding import host_greedy_decode, host_speculative_decode
+from oracles.drafting import Proposal
+from oracles.trees import ANCHOR, DraftTree, build_draft_tree, tree_attention_mask, tree_positions
 
 
 @pytest.fixture
@@ -83,10 +86,10 @@ def test_a_tree_finds_the_answer_off_the_top1_chain_where_the_chain_does_not():
     drafter, target, tap, script = scripted_setup()
     prompt = [1, 2, 3, 4, 5, 6]
     answer = script[len(prompt) - 1 :]
-    plain = greedy_decode(target, prompt, max_new_tokens=25, eos_ids=set())
-    chain = speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 3, right_rank=1), prompt,
+    plain = host_greedy_decode(target, prompt, max_new_tokens=25, eos_ids=set())
+    chain = host_speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 3, right_rank=1), prompt,
                                max_new_tokens=25, eos_ids=set())  # budget 3 grows the top-1 chain only
-    tree = speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 12, right_rank=1), prompt,
+    tree = host_speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 12, right_rank=1), prompt,
                               max_new_tokens=25, eos_ids=set())
     assert chain.tokens == tree.tokens == plain.tokens == answer[:25]
     assert set(chain.steps) == {1}  # every top-1 token is a decoy
@@ -99,8 +102,8 @@ def test_an_eos_inside_the_tree_ends_the_answer_and_a_rejected_tree_commits_the_
     prompt = [1, 2, 3, 4, 5, 6]
     answer = script[len(prompt) - 1 :]
     eos = {answer[2]}  # the second node of the first accepted path (answer[0] comes from the prefill)
-    plain = greedy_decode(target, prompt, max_new_tokens=25, eos_ids=eos)
-    run = speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 12, right_rank=1), prompt,
+    plain = host_greedy_decode(target, prompt, max_new_tokens=25, eos_ids=eos)
+    run = host_speculative_decode(target, tap, drafter, rigged_tree_proposer(answer, len(prompt), 12, right_rank=1), prompt,
                              max_new_tokens=25, eos_ids=eos)
     assert run.tokens == plain.tokens == answer[:3] and run.steps == [4]
 
@@ -108,14 +111,14 @@ def test_an_eos_inside_the_tree_ends_the_answer_and_a_rejected_tree_commits_the_
         tree = build_draft_tree([[0.0, -1.0]] * 3, [[1, 2]] * 3, 6)
         return Proposal(tree.tokens, tree=tree)
 
-    rejected = speculative_decode(target, tap, drafter, hopeless, prompt, max_new_tokens=10, eos_ids=set())
+    rejected = host_speculative_decode(target, tap, drafter, hopeless, prompt, max_new_tokens=10, eos_ids=set())
     assert rejected.tokens == answer[:10] and set(rejected.steps) == {1}
 
 
 @pytest.mark.parametrize("budget", [1, 4, 8])
 def test_tree_decoding_with_a_real_drafter_equals_plain_greedy(tiny_target, budget):
-    model, tap, head, drafter, prompt = tiny_target
+    model, _, head, drafter, prompt = tiny_target
     plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
-    run = speculative_decode(model, tap, drafter, tree_proposer(drafter, head, budget), prompt, max_new_tokens=30, eos_ids={2})
+    run = speculative_decode(model, Speculation(drafter, head, tree_budget=budget), prompt, max_new_tokens=30, eos_ids={2})
     assert run.tokens == plain.tokens
     assert run.drafted == budget * len(run.steps)

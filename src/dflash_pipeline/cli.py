@@ -631,11 +631,10 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
                                system_prompt=GENERATE_DEFAULTS.system_prompt, enable_thinking=GENERATE_DEFAULTS.enable_thinking)
     context = target.max_position_embeddings
     if context and len(prompt_ids) + max_new_tokens > context:  # decoding on past it runs off what the target was built for
-        session.close()
         raise PipelineError(f"PROMPT is {len(prompt_ids)} tokens in the target's chat template; with --max-new-tokens {max_new_tokens} "
                             f"that is {len(prompt_ids) + max_new_tokens}, past the target's context of {context} tokens "
                             f"(max_position_embeddings in {target_path}): shorten the prompt or lower --max-new-tokens")
-    propose = session.proposer(sampling=sampling, tree_budget=tree_budget, verify_tokens=verify_tokens)
+    speculation = session.speculation(tree_budget=tree_budget, verify_tokens=verify_tokens)
     if compare:  # first-call allocations and kernel choice would otherwise fall on the side that runs first
         session.plain(prompt_ids, max_new_tokens=4)
     shown: list[int] = []
@@ -645,7 +644,7 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
         shown.extend(tokens)
         click.echo(session.tokenizer.decode(shown, skip_special_tokens=True)[len(before):], nl=False)
 
-    run = session.decode(prompt_ids, propose, max_new_tokens=max_new_tokens, sampling=sampling, on_tokens=stream)
+    run = session.decode(prompt_ids, speculation, max_new_tokens=max_new_tokens, sampling=sampling, on_tokens=stream)
     click.echo()
     steps = sum(run.steps) / len(run.steps) if run.steps else 1.0
     mode = ("greedy" if tree_budget is None else f"greedy, tree of {tree_budget}") if sampling is None else f"T={temperature}, {rule} rule"
@@ -657,7 +656,6 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
         same = "identical answers" if plain.tokens == run.tokens else (
             "different answers: NOT LOSSLESS" if sampling is None else "different samples (expected at T > 0: same distribution)")
         click.echo(f"plain ({mode}): {len(plain.tokens)} tokens, {rate:.1f} tokens/s; speedup {len(run.tokens) / run.seconds / rate:.2f}; {same}")
-    session.close()
 
 
 # ----------------------------------------------------------------------------- plots

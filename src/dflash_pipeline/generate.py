@@ -100,6 +100,32 @@ def left_padded(prompts: list[list[int]], pad_id: int):
     return input_ids, valid
 
 
+class BatchStep:
+    """One decode step of the whole batch as a phase without arguments (`graphs.PhaseRunner`): it
+    reads `tokens` and leaves `logits`, both tensors that stay where they are."""
+
+    def __init__(self, decoder):
+        import torch
+
+        self.decoder = decoder
+        self.tokens = torch.zeros(decoder.batch, dtype=torch.long, device=decoder.device)
+        self.logits = None
+
+    def step(self) -> None:
+        self.logits = self.decoder.step(self.tokens)
+
+    def phases(self):
+        return (self.step,)
+
+    def graph_state(self):
+        """The bookkeeping a warm-up step moves: which columns hold what (the columns it wrote are overwritten later)."""
+        return [self.decoder.valid, self.decoder.positions, self.decoder.column]
+
+    def keep_rows(self, rows) -> None:
+        self.decoder.keep_rows(rows)
+        self.tokens = self.tokens[rows]
+
+
 def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                            on_step=None, read_every: int | None = None) -> list[Answer]:
     """Tokens and ends are kept on the device and the host reads which rows ended every
@@ -109,7 +135,8 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
     step costs in proportion to its rows, the rows that ended leave the batch at each read."""
     import torch
 
-    from dflash_pipeline.decoding.static_decoder import GraphedStep, StaticDecoder
+    from dflash_pipeline.decoding.graphs import PhaseRunner
+    from dflash_pipeline.decoding.static_decoder import StaticDecoder
     from dflash_pipeline.devices import default_read_every
 
     device = next(model.parameters()).device
@@ -117,8 +144,10 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
     batch, width = input_ids.shape
     decoder = StaticDecoder(model, batch=batch, length=width + max_new_tokens)
     tokens = decoder.prefill(input_ids.to(device), valid.to(device)).argmax(-1)
-    graphed = device.type == "cuda"
-    step = GraphedStep(decoder) if graphed else decoder.step
+    step = BatchStep(decoder)
+    runner = PhaseRunner(step.phases(), state=step.graph_state(), device=device)
+    (run_step,) = runner.phases
+    graphed = runner.graphed
     read_every = read_every or default_read_every(device)
     eos = torch.tensor(sorted(eos_ids), device=device)
     out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -142,80 +171,16 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
                     break
                 if not graphed and not all(still):
                     keep = torch.tensor([row for row, alive in enumerate(still) if alive], device=device)
-                    decoder.keep_rows(keep)
+                    step.keep_rows(keep)
                     rows, tokens, ended = rows[keep], tokens[keep], ended[keep]
-            tokens = step(torch.where(ended, pad_id, tokens)).argmax(-1)
+            step.tokens.copy_(torch.where(ended, pad_id, tokens))
+            run_step()
+            tokens = step.logits.argmax(-1)
     answers = []
     for ids in out.tolist():
         stop = next((i for i, token in enumerate(ids) if token in eos_ids), None)
         answers.append(Answer(ids[: stop + 1], "stop") if stop is not None else Answer(ids, "length"))
     return answers
-
-
-def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
-                            on_step=None) -> list[Answer]:
-    """Greedy-decode a batch of prompts with left padding and a shared KV cache over transformers'
-    own forward: the reference `static_greedy_generate` is tested against (tests/test_static_decoder.py)
-    and measured against (bench/generate.py --engines); the generate stage does not use it.
-
-    Rows that finish leave the batch (their cache rows are dropped), so a long answer does not
-    make short ones pay for its steps. `on_step(new_tokens, finished_rows)` reports progress.
-    """
-    import torch
-    from transformers import DynamicCache
-
-    from dflash_pipeline.decoding.static_decoder import cache_argument
-
-    device = next(model.parameters()).device
-    input_ids, attention = left_padded(prompts, pad_id)
-    batch = input_ids.shape[0]
-    input_ids, attention = input_ids.to(device), attention.long().to(device)
-    positions = attention.sum(-1)  # position of the next token per row
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-            **cache_argument(model, cache),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        next_tokens = out.logits[:, -1].argmax(-1)
-        active = list(range(batch))  # original row of each row still in the batch
-        answers: list[list[int]] = [[] for _ in range(batch)]
-        finish: list[str | None] = [None] * batch
-        while True:
-            keep = []
-            for row, token in enumerate(next_tokens.tolist()):
-                original = active[row]
-                answers[original].append(token)
-                if token in eos_ids:
-                    finish[original] = "stop"
-                elif len(answers[original]) >= max_new_tokens:
-                    finish[original] = "length"
-                else:
-                    keep.append(row)
-            if on_step is not None:
-                on_step(len(active), len(active) - len(keep))
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                attention, positions, next_tokens = attention[index], positions[index], next_tokens[index]
-                active = [active[row] for row in keep]
-            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
-            out = model(
-                input_ids=next_tokens[:, None],
-                attention_mask=attention,
-                position_ids=positions[:, None],
-                **cache_argument(model, cache),
-                use_cache=True,
-            )
-            positions = positions + 1
-            next_tokens = out.logits[:, -1].argmax(-1)
-    return [Answer(token_ids=answers[row], finish_reason=finish[row]) for row in range(batch)]
 
 
 def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtype: str, engine: str) -> dict:

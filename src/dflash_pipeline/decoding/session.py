@@ -1,19 +1,19 @@
 """One decoding session: the target, its frozen head, the layer tap and a drafter, put together once.
 
-Speculative decoding needs five things that must agree: the target model (and its tokenizer), the
-target's frozen embedding and LM head (the drafter drafts through them), a tap on the decoder layers
-the drafter was trained on, the drafter itself, and a proposal function of that drafter for the
-mode at hand. The `generate` command, the evaluate stage's end-to-end decoding and the decoding
-benches all take them from here:
+Speculative decoding needs things that must agree: the target model (and its tokenizer), the
+target's frozen embedding and LM head (the drafter drafts through them), the decoder layers the
+drafter was trained on (the engine records their outputs itself), the drafter, and its decoding
+mode. The `generate` command, the evaluate stage's end-to-end decoding and the decoding benches
+all take them from here:
 
     session = open_session(target, drafter, device="cpu")
-    propose = session.proposer()                                         # greedy chain, all B-1 tokens
-    propose = session.proposer(sampling=Sampling(0.7, rule="ratio"))     # sampled chain
-    propose = session.proposer(tree_budget=8)                            # greedy DDTree of 8 nodes
-    run = session.decode(prompt_ids, propose, max_new_tokens=128)
-    session.close()                                                      # removes the tap's hooks
+    chain = session.speculation()                        # greedy chain, all B-1 tokens
+    chain = session.speculation(verify_tokens=2)         # a chain verifying its first 2 tokens
+    tree = session.speculation(tree_budget=8)            # greedy DDTree of 8 nodes
+    run = session.decode(prompt_ids, chain, max_new_tokens=128)
+    run = session.decode(prompt_ids, chain, max_new_tokens=128, sampling=Sampling(0.7, rule="ratio"))
 
-Several drafters that tap the same layers share one session (`with_drafter`): one target load.
+Several drafters that read the same layers share one session (`with_drafter`): one target load.
 The decoding itself is `engine`'s; this module only assembles its inputs.
 """
 
@@ -21,20 +21,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dflash_pipeline.decoding.engine import (
-    DecodeRun,
-    drafter_proposer,
-    greedy_decode,
-    speculative_decode,
-    tree_proposer,
-    verified_prefix,
-)
+from dflash_pipeline.decoding.engine import DecodeRun, greedy_decode, speculative_decode
 from dflash_pipeline.decoding.sampling import Sampling
-from dflash_pipeline.decoding.static_speculation import StaticSpeculation
+from dflash_pipeline.decoding.static_speculation import Speculation
 from dflash_pipeline.devices import bf16_by_default
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.target.load import LayerTap, TargetHead, TargetInfo, load_target, load_target_head
+from dflash_pipeline.target.load import TargetHead, TargetInfo, load_target, load_target_head
 
 
 @dataclass(frozen=True)
@@ -45,7 +38,7 @@ class DecodingSession:
     model: torch.nn.Module  # the target causal LM, eval mode, on `device`
     tokenizer: object
     head: TargetHead  # the target's frozen embedding and LM head (bf16 on CUDA, fp32 on CPU)
-    tap: LayerTap  # hooks on the decoder layers the drafter reads (its target_layer_ids)
+    layer_ids: tuple[int, ...]  # the target layers the drafter reads (its target_layer_ids)
     drafter: DFlashDrafter
     device: str
 
@@ -54,44 +47,36 @@ class DecodingSession:
         return set(self.target.eos_token_ids)
 
     def with_drafter(self, drafter: DFlashDrafter) -> "DecodingSession":
-        """This session with another drafter on the same target, head and tap (it must read the same layers)."""
-        _check_taps(drafter, self.tap.layer_ids)
+        """This session with another drafter on the same target and head (it must read the same layers)."""
+        _check_taps(drafter, list(self.layer_ids))
         return replace(self, drafter=drafter.eval())
 
-    def proposer(self, *, sampling: Sampling | None = None, tree_budget: int | None = None, verify_tokens: int | None = None):
-        """The drafter's proposal function for one mode.
+    def speculation(self, *, tree_budget: int | None = None, verify_tokens: int | None = None) -> Speculation:
+        """The drafter's decoding mode for `decode`.
 
-        chain (default)   B-1 drafted tokens per step, the drafter's argmax (greedy; "match" rule);
-                          sampled from its distribution under the "ratio" rule (`sampling`)
+        chain (default)   B-1 drafted tokens per step: greedy, or sampled when `decode` is given a
+                          `sampling` (the drafter's argmax under the "match" rule, a draw from its
+                          distribution under "ratio")
         tree_budget=N     a DDTree of the N most probable drafted prefixes (greedy only)
         verify_tokens=k   a chain cut to its first k drafted tokens (at most B-1)
         """
-        if tree_budget is not None:
-            if sampling is not None or verify_tokens is not None:
-                raise PipelineError("tree decoding is greedy and verifies the whole tree (no sampling, no verify_tokens)")
-            propose = tree_proposer(self.drafter, self.head, tree_budget)
-        else:
-            propose = drafter_proposer(self.drafter, self.head, sampling)
-            if verify_tokens is not None:
-                verify_tokens = min(verify_tokens, self.drafter.config.block_size - 1)
-                propose = verified_prefix(propose, verify_tokens)
-        # the same mode on the static engine (`engine.speculative_decode` takes it where it runs)
-        propose.static = StaticSpeculation(self.drafter, self.head, tree_budget=tree_budget, verify_tokens=verify_tokens)
-        return propose
+        if tree_budget is not None and verify_tokens is not None:
+            raise PipelineError("tree decoding verifies the whole tree (no verify_tokens)")
+        if verify_tokens is not None:
+            verify_tokens = min(verify_tokens, self.drafter.config.block_size - 1)
+        return Speculation(self.drafter, self.head, tree_budget=tree_budget, verify_tokens=verify_tokens)
 
-    def decode(self, prompt_ids: list[int], propose, *, max_new_tokens: int, sampling: Sampling | None = None,
+    def decode(self, prompt_ids: list[int], speculation: Speculation, *, max_new_tokens: int, sampling: Sampling | None = None,
                feature_dtype: str = "bf16", on_tokens=None) -> DecodeRun:
-        """Speculative decoding of one prompt with `propose` (one of `proposer`'s)."""
-        return speculative_decode(self.model, self.tap, self.drafter, propose, prompt_ids, max_new_tokens=max_new_tokens,
-                                  eos_ids=self.eos_ids, feature_dtype=feature_dtype, sampling=sampling, on_tokens=on_tokens)
+        """Speculative decoding of one prompt in one of `speculation`'s modes."""
+        if sampling is not None and speculation.tree_budget is not None:
+            raise PipelineError("tree decoding is greedy (no sampling)")
+        return speculative_decode(self.model, speculation, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids,
+                                  feature_dtype=feature_dtype, sampling=sampling, on_tokens=on_tokens)
 
     def plain(self, prompt_ids: list[int], *, max_new_tokens: int, sampling: Sampling | None = None) -> DecodeRun:
         """The target alone on one prompt (greedy, or sampled with `sampling`): the reference."""
         return greedy_decode(self.model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=self.eos_ids, sampling=sampling)
-
-    def close(self) -> None:
-        """Remove the tap's hooks from the target model (the model itself is left to the caller)."""
-        self.tap.remove()
 
 
 def _check_taps(drafter: DFlashDrafter, layer_ids: list[int]) -> None:
@@ -102,7 +87,7 @@ def _check_taps(drafter: DFlashDrafter, layer_ids: list[int]) -> None:
 
 def open_session(target: TargetInfo, drafter: DFlashDrafter, *, device: str, layer_ids: list[int] | None = None,
                  head: TargetHead | None = None) -> DecodingSession:
-    """Load the target (model, tokenizer, frozen head) on `device` and tap the layers `drafter` reads.
+    """Load the target (model, tokenizer, frozen head) on `device` for a drafter of the layers it reads.
 
     `layer_ids`, when given (e.g. the shards' layers), must be the drafter's own; `head`, when the
     caller has already loaded it, is reused instead of being read again. The drafter is put in eval
@@ -113,5 +98,5 @@ def open_session(target: TargetInfo, drafter: DFlashDrafter, *, device: str, lay
     if head is None:
         head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
     model, tokenizer = load_target(target, device=device)
-    return DecodingSession(target=target, model=model, tokenizer=tokenizer, head=head, tap=LayerTap(model, taps),
-                           drafter=drafter.eval(), device=device)
+    return DecodingSession(target=target, model=model, tokenizer=tokenizer, head=head, layer_ids=tuple(taps), drafter=drafter.eval(),
+                           device=device)

@@ -8,7 +8,7 @@ work for ~2 ms of GPU work. Here the keys and values of a fixed batch live in pr
 device-side column indices (`ColumnCache`, the cache object transformers' attention layers
 update), and attention reads the whole length under a 4-D visibility mask, so every step has the
 same shapes and the same kernels: it can be captured once as a CUDA graph and replayed
-(`GraphedStep`).
+(`graphs.PhaseRunner`).
 
 The forward is the target's own (`model.model(...)`): transformers maintains every architecture's
 layers (Llama, Qwen2/3 with their q/k norms and biases, Mistral, Gemma3, rope scaling), and this
@@ -63,7 +63,8 @@ def static_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
             or kwargs.get("s_aux") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     heads, kv_heads = query.shape[1], key.shape[1]
-    if query.device.type == "cuda" and heads != kv_heads:
+    folded_mask = attention_mask.shape[-2] == heads // kv_heads * query.shape[2] != query.shape[2]  # `StaticDecoder.fold_heads`
+    if heads != kv_heads and (folded_mask or query.device.type == "cuda"):
         return folded_attention(query, key, value, attention_mask, scaling), None
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=heads != kv_heads)
     return out.transpose(1, 2).contiguous(), None
@@ -73,11 +74,12 @@ def folded_attention(query, key, value, mask, scaling):
     """Grouped-query attention as equal heads: the `group` query heads that share a KV head (heads
     k*group .. k*group+group-1, as transformers' `repeat_kv` pairs them) become `group` blocks of
     query rows of that KV head, each block seeing what its step sees. query [B, H, T, D], key/value
-    [B, KVH, L, D], mask [B, 1, T, L] -> [B, T, H, D]."""
+    [B, KVH, L, D], mask [B, 1, T, L], or already folded [B, 1, group * T, L] (built once per
+    forward by `StaticDecoder`, not once per layer) -> [B, T, H, D]."""
     batch, heads, steps, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    rows = mask.expand(batch, 1, steps, -1).repeat(1, 1, group, 1)  # row r*T + t sees what step t sees
+    rows = mask if mask.shape[-2] == group * steps else mask.expand(batch, 1, steps, -1).repeat(1, 1, group, 1)  # row r*T + t: step t
     out = F.scaled_dot_product_attention(query.reshape(batch, kv_heads, group * steps, dim), key, value, attn_mask=rows, scale=scaling)
     return out.view(batch, heads, steps, dim).transpose(1, 2).contiguous()
 
@@ -199,7 +201,8 @@ class ColumnCache(Cache):
 class StaticDecoder:
     """A fixed batch of sequences decoded over a preallocated cache of `length` columns."""
 
-    def __init__(self, model, *, batch: int, length: int, tap_layers: tuple[int, ...] = (), trim: bool | None = None):
+    def __init__(self, model, *, batch: int, length: int, tap_layers: tuple[int, ...] = (), trim: bool | None = None,
+                 fold_heads: bool | None = None):
         check_servable(model)
         use_static_sdpa(model)
         decoder = model.get_decoder()
@@ -237,6 +240,11 @@ class StaticDecoder:
             raise PipelineError(f"static decoder: model type '{config.model_type}' has sliding layers but no sliding_window")
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         self.mask_kind = MASK_KINDS[getattr(config, "_attn_implementation", None) or "eager"]
+        # Grouped query heads folded into equal heads (`folded_attention`, the engine's attention on
+        # CUDA): the masks then come folded, built once per forward rather than in every layer.
+        groups = heads // config.num_key_value_heads
+        fold = self.device.type == "cuda" if fold_heads is None else fold_heads
+        self.fold_groups = groups if fold and groups > 1 and config._attn_implementation == STATIC_SDPA else 1
         # The layers whose outputs the drafter reads (`target.load.LayerTap`'s ids: the output of
         # layer i, the last one after the final norm): transformers' own hidden-state outputs,
         # entry i + 1 for layer i and the final-norm state last, which its hooks record inside a
@@ -256,6 +264,9 @@ class StaticDecoder:
             hidden = torch.finfo(self.dtype).min
             full = torch.where(full, 0.0, hidden).to(self.dtype)
             sliding = None if sliding is None else torch.where(sliding, 0.0, hidden).to(self.dtype)
+        elif self.fold_groups > 1:  # query row r * T + t of a folded head is step t
+            full = full.repeat(1, 1, self.fold_groups, 1)
+            sliding = None if sliding is None else sliding.repeat(1, 1, self.fold_groups, 1)
         if self.layer_types is None:
             return sliding if sliding is not None else full
         masks = {"full_attention": full}
@@ -329,35 +340,3 @@ class StaticDecoder:
             self.positions.add_(1)
             self.column.add_(1)
             return self.logits(hidden[:, -1])
-
-
-class GraphedStep:
-    """`StaticDecoder.step` captured once as a CUDA graph and replayed: one launch per decode step
-    instead of ~1,000 (the step's tensors never move, its column and positions live on the device)."""
-
-    def __init__(self, decoder: StaticDecoder):
-        self.decoder = decoder
-        self.tokens = torch.zeros(decoder.batch, dtype=torch.long, device=decoder.device)
-        state = (decoder.valid.clone(), decoder.positions.clone(), decoder.column.clone())
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph: lazy initialisation, kernel choice
-            for _ in range(2):
-                decoder.step(self.tokens)
-        torch.cuda.current_stream().wait_stream(stream)
-        self._restore(state)  # the warm-up wrote columns the real steps will overwrite; undo its bookkeeping
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = decoder.step(self.tokens)
-        self._restore(state)
-
-    def _restore(self, state) -> None:
-        valid, positions, column = state
-        self.decoder.valid.copy_(valid)
-        self.decoder.positions.copy_(positions)
-        self.decoder.column.copy_(column)
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.tokens.copy_(tokens)
-        self.graph.replay()
-        return self.logits

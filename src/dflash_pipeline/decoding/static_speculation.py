@@ -9,7 +9,7 @@ decision stays on the device:
     StaticDraftCache   the drafter's context keys/values [layers, length, kv heads, head dim],
                        written at device-side columns; attention masks what lies past the context
     SpeculativeStep    three phases per step, each with fixed shapes:
-                         draft   the block after the anchor, its chain (`Architecture.chain_on_device`)
+                         draft   the block after the anchor, its chain (`Architecture.draft_chain`)
                                  or its DDTree (`trees.build_draft_tree_tensors`)
                          verify  [anchor, nodes] in one target forward over a static KV cache
                                  (`StaticDecoder.forward`, tree visibility as a mask), the accepted
@@ -32,18 +32,18 @@ a seeded device generator before each step (`sampling.draw_with_uniforms`), so n
 generator and graph capture or compilation sees plain tensors. The draws differ from the host
 loop's, the distributions do not.
 
-On CUDA each phase is captured once as a CUDA graph and replayed (`GraphedPhases`). This part of
-the module has not yet run on a GPU.
+On CUDA each phase is captured once as a CUDA graph and replayed (`graphs.PhaseRunner`). This part
+of the module has not yet run on a GPU.
 """
 
 import time
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
+from dflash_pipeline.decoding.graphs import PhaseRunner
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.decoding.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
                                              tree_attention_visibility)
@@ -337,7 +337,7 @@ class SpeculativeStep(_Loop):
                 self.visibility.copy_(tree_attention_visibility(tree.parents, 0, self.depth))
             else:
                 uniforms = self.uniforms[self.nodes + 1 : 2 * self.nodes + 1]
-                tokens, q = drafter.architecture.chain_on_device(drafter, head, hidden[: self.nodes], self.anchor, self.sampling, uniforms)
+                tokens, q = drafter.architecture.draft_chain(drafter, head, hidden[: self.nodes], self.anchor, self.sampling, uniforms)
                 self.node_tokens.copy_(tokens)
                 if self.q is not None:
                     self.q.copy_(q)
@@ -440,33 +440,6 @@ class PlainStep(_Loop):
         return super().graph_state() + [self.token]
 
 
-class GraphedPhases:
-    """Each phase of a step captured once as a CUDA graph and replayed: a handful of launches per
-    step instead of thousands. The small counters are restored after the warm-up steps (the
-    buffers they index are rewritten before they are read again)."""
-
-    def __init__(self, step, state: list[torch.Tensor]):
-        saved = [tensor.clone() for tensor in state]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graphs: lazy initialisation, kernel choice
-            for _ in range(2):
-                for phase in step.phases():
-                    phase()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graphs = []
-        for phase in step.phases():
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                phase()
-            self.graphs.append(graph)
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-
-    def phases(self):
-        return tuple(graph.replay for graph in self.graphs)
-
-
 class PhaseClock:
     """Seconds spent in each phase over many steps: CUDA events (no wait until `totals`) on a GPU,
     the wall clock on a CPU (where each phase has finished when its call returns)."""
@@ -495,11 +468,11 @@ class PhaseClock:
         return totals
 
 
-def run_steps(step, *, graphed: "GraphedPhases | None", read_every: int, on_tokens=None) -> list[float]:
+def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None) -> list[float]:
     """Steps until the answer has ended; the host reads (ended, tokens made) once every `read_every`
     steps, sooner when the length cap could come first (a step commits at least one token).
     `on_tokens(list)` sees the answer's new tokens at each read. Returns each phase's seconds."""
-    phases = graphed.phases() if graphed is not None else step.phases()
+    phases = runner.phases
     clock = PhaseClock(step.device, len(phases))
     ended, count = step.read_state()
     shown, stopped = 0, False
@@ -524,7 +497,7 @@ def run_steps(step, *, graphed: "GraphedPhases | None", read_every: int, on_toke
 
 # ----------------------------------------------------------------------------- the decode loops
 
-# Steps are kept per owner (the target model for plain decoding, a `StaticSpeculation` for a
+# Steps are kept per owner (the target model for plain decoding, a `Speculation` for a
 # drafter's mode) and reused across prompts: allocating the caches and capturing the graphs is
 # paid once. Prompt capacity grows in multiples of CAPACITY_STEP.
 CAPACITY_STEP = 256
@@ -540,17 +513,11 @@ def _cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, bui
 
         old = entry[0] if entry is not None else None
         step = build(rounded(max(prompt_length, old.capacity if old else 0)), rounded(max(max_new_tokens, old.answer_capacity if old else 0)))
-        graphed = None
-        if step.device.type == "cuda":
-            try:
-                graphed = GraphedPhases(step, step.graph_state())
-            except Exception as error:  # a capture that fails must not stop the decode: run the phases eagerly
-                warnings.warn(f"CUDA graph capture of the decode step failed ({error}); running it eagerly")
-        entry = steps[key] = (step, graphed)
+        entry = steps[key] = (step, PhaseRunner(step.phases(), state=step.graph_state(), device=step.device))
     return entry
 
 
-def _run(step, graphed, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None, on_tokens, read_every: int | None):
+def _run(step, runner: PhaseRunner, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None, on_tokens, read_every: int | None):
     device = step.device
     step.generator = torch.Generator(device=device).manual_seed(sampling.seed) if sampling is not None else None
     synchronize(device)
@@ -558,7 +525,7 @@ def _run(step, graphed, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
     step.prefill(prompt_ids, step.generator, max_new_tokens)
     synchronize(device)
     prefilled = time.perf_counter()
-    totals = run_steps(step, graphed=graphed, read_every=read_every or default_read_every(device), on_tokens=on_tokens)
+    totals = run_steps(step, runner=runner, read_every=read_every or default_read_every(device), on_tokens=on_tokens)
     record = step.record()
     seconds = time.perf_counter() - started
     run = DecodeRun(tokens=record.tokens, seconds=seconds, prefill_seconds=prefilled - started, steps=record.steps, drafted=record.drafted)
@@ -568,7 +535,7 @@ def _run(step, graphed, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
 
 
 @dataclass(frozen=True, eq=False)
-class StaticSpeculation:
+class Speculation:
     """One drafter's decoding mode on the static step: a chain of `verify_tokens` (None: B-1), or a
     DDTree of `tree_budget` nodes. Whether and how a chain samples is each decode's `sampling`."""
 
@@ -590,8 +557,8 @@ class StaticSpeculation:
                                    tree_budget=self.tree_budget, verify_tokens=self.verify_tokens, sampling=sampling,
                                    feature_dtype=feature_dtype, bf16=bf16)
 
-        step, graphed = _cached_step(self, key, len(prompt_ids), max_new_tokens, build)
-        return _run(step, graphed, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
+        step, runner = _cached_step(self, key, len(prompt_ids), max_new_tokens, build)
+        return _run(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
 
 
 @torch.inference_mode(False)
@@ -604,8 +571,8 @@ def static_plain_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eo
     def build(capacity, answer_capacity):
         return PlainStep(model, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids, sampling=sampling)
 
-    step, graphed = _cached_step(model, key, len(prompt_ids), max_new_tokens, build)
-    return _run(step, graphed, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
+    step, runner = _cached_step(model, key, len(prompt_ids), max_new_tokens, build)
+    return _run(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
 
 
 @torch.inference_mode(False)

@@ -6,12 +6,13 @@ changes and registers itself with `family.register`. The shared mechanics call t
     options          `options_type` (model sizes, in DrafterConfig) and `loss_options_type`
                      (training-only weights), read from `train.options.<name>` with their checks
     layers           `sublayer_wrappers` around attention and MLP, `extra_modules` beside the core
-    drafting         `chain_proposer` (T = 0 and both sampling rules) and `tree_proposer` (DDTree);
-                     `chain_on_device`, the chain of the static speculative step
+    drafting         `draft_chain`: the chain of a drafted block (T = 0 and both sampling rules),
+                     on the device; trees are built by shared code from the head's logits
+                     (`decoding.trees`), so a member writes drafting once
     training         `loss_top_k` and `extra_loss` beside the drafted slots' cross-entropy, and
                      `curve_fields` (what the extra term adds to the training curve)
-    scoring          `score_blocks` / `score_one_block` (which drafted slots count as correct, and
-                     per-block extras), `summarize_extras` (their metrics, named by the member)
+    scoring          `score_blocks` (which drafted slots count as correct, and per-block extras),
+                     `summarize_extras` (their metrics, named by the member)
     serving          `public_class`, `public_weight_names`, `weight_aliases`, `serving_fields`
                      and `options_from_serving` (the public DFlash format's config and tensors)
 
@@ -25,10 +26,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from dflash_pipeline.decoding.sampling import Sampling, draw, draw_with_uniforms, sampling_probs
-from dflash_pipeline.decoding.trees import build_draft_tree, ranked_candidates
+from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.drafters import family
-from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, DrafterConfig, Proposal, draft_block, draft_logits
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, draft_logits
 from dflash_pipeline.errors import PipelineError
 
 
@@ -111,28 +111,13 @@ class Architecture:
 
     # ------------------------------------------------------------------ drafting
 
-    def chain_proposer(self, drafter: DFlashDrafter, head, sampling: Sampling | None, generator):
-        """`propose(cache, anchor) -> Proposal` of B-1 tokens after the anchor: each slot's argmax at
-        T = 0 and under the "match" rule; under "ratio" a draw from each slot's q at the sampling
-        temperature, with q over the full vocabulary (zero outside a draft vocabulary)."""
-
-        def propose(cache: DraftCache, anchor: int) -> Proposal:
-            logits = draft_block(drafter, head, cache, anchor)
-            if sampling is None or sampling.rule == "match":
-                return Proposal(drafter.vocab_tokens(logits.argmax(-1)).tolist())
-            columns = sampling.probs(logits)
-            picked = [draw(row, generator) for row in columns]
-            ids = drafter.vocab_tokens(torch.arange(columns.shape[-1], device=logits.device)).cpu()
-            q = torch.zeros(columns.shape[0], head.lm_head_weight.shape[0]).index_copy_(1, ids, columns)
-            return Proposal(ids[picked].tolist(), q)
-
-        return propose
-
-    def chain_on_device(self, drafter: DFlashDrafter, head, hidden: torch.Tensor, anchor: torch.Tensor,
-                        sampling: Sampling | None = None, uniforms: torch.Tensor | None = None):
-        """The chain of a block already drafted into `hidden` [n, H] after `anchor` [1], kept on
-        the device (`decoding.static_speculation`): token ids [n] and, under the "ratio" rule,
-        q [n, V] over the full vocabulary. Draws invert each slot's CDF at `uniforms` [n]
+    def draft_chain(self, drafter: DFlashDrafter, head, hidden: torch.Tensor, anchor: torch.Tensor,
+                    sampling: Sampling | None = None, uniforms: torch.Tensor | None = None):
+        """The member's one drafting hook: the chain of a block already drafted into `hidden`
+        [n, H] after `anchor` [1], on the device (`decoding.static_speculation`): token ids [n],
+        each slot's argmax at T = 0 and under the "match" rule; under "ratio" a draw from each
+        slot's q at the sampling temperature, with q [n, V] over the full vocabulary (zero outside
+        a draft vocabulary). Draws invert each slot's CDF at `uniforms` [n]
         (`sampling.draw_with_uniforms`), so nothing here reads back or holds a generator."""
         logits = draft_logits(drafter, head, hidden)
         if sampling is None or sampling.rule == "match":
@@ -143,17 +128,6 @@ class Architecture:
             return tokens, columns
         q = columns.new_zeros(columns.shape[0], head.lm_head_weight.shape[0])
         return tokens, q.index_copy_(1, drafter.draft_vocab.to(q.device), columns)
-
-    def tree_proposer(self, drafter: DFlashDrafter, head, budget: int):
-        """`propose(cache, anchor) -> Proposal` holding the DDTree of the `budget` most probable
-        drafted prefixes of the block, from the per-slot distributions (`decoding.trees`)."""
-
-        def propose(cache: DraftCache, anchor: int) -> Proposal:
-            logprobs, columns = ranked_candidates(draft_block(drafter, head, cache, anchor), budget)
-            tree = build_draft_tree(logprobs.double().cpu().tolist(), drafter.vocab_tokens(columns).cpu().tolist(), budget)
-            return Proposal(tree.tokens, tree=tree)
-
-        return propose
 
     # ------------------------------------------------------------------ training
 
@@ -178,11 +152,6 @@ class Architecture:
         """Teacher-forced blocks hidden [n, B-1, H], logits [n, B-1, V] (read-only), anchor and
         label token ids [n] / [n, B-1], valid [n, B-1] -> (correct [n, B-1] numpy, or None for each
         slot's argmax; {extra name: array [n, B-1]} for `summarize_extras`)."""
-        return None, {}
-
-    def score_one_block(self, drafter: DFlashDrafter, head, cache: DraftCache, *, anchor_token: int, logits, label_ids, valid):
-        """The same for one block drafted through the decoding cache (the scorer's reference):
-        logits [B-1, V], label_ids / valid [B-1] -> (correct [1, B-1] or None, extras [1, B-1])."""
         return None, {}
 
     def summarize_extras(self, scores) -> dict[str, float]:

@@ -16,7 +16,8 @@ and MLP sublayers of every layer (DFlash2's block-local convolution) and add mod
 The drafter owns no embedding and no LM head: `target.TargetHead` holds the target's two frozen
 tensors, read straight from its weight files. Training drafts every anchor block of a packed
 batch of sequences in one forward (`forward_blocks`, with the DFlash mask of `dflash_mask`, its
-sliding window included); inference keeps a KV cache of the context (`DraftCache`, `draft_block`).
+sliding window included); decoding keeps the context's keys/values in a static cache
+(`decoding.static_speculation.StaticDraftCache`) and drafts one block at a time over it.
 """
 
 from dataclasses import asdict, dataclass, field, fields
@@ -126,16 +127,6 @@ class ArchitectureModule(nn.Module):
 
     def reset_parameters(self) -> None:
         raise NotImplementedError
-
-
-@dataclass
-class Proposal:
-    """What a drafter proposes for one speculative step: a chain of tokens (with, for the "ratio"
-    rule at T > 0, the drafter's distribution q [k, V] of each drafted slot), or a draft tree."""
-
-    tokens: list[int]
-    q: torch.Tensor | None = None
-    tree: Any = None  # a `decoding.trees.DraftTree` in tree decoding (then `tokens` are its nodes')
 
 
 class RMSNorm(nn.Module):
@@ -514,81 +505,10 @@ def dflash_block_mask(context_sequence: torch.Tensor, context_positions: torch.T
                                     seq_lengths=(queries, context + queries))
 
 
-class DraftCache:
-    """Per-layer context keys/values of one sequence for inference, extended as tokens commit.
-
-    Context K/V depend only on the target features and their positions, never on a block, so
-    they are computed once per committed token and reused by every later block.
-    """
-
-    def __init__(self, drafter: DFlashDrafter):
-        self.drafter = drafter
-        self.keys = [None] * len(drafter.layers)
-        self.values = [None] * len(drafter.layers)
-        self.length = 0
-
-    def extend(self, features: torch.Tensor) -> None:
-        """Add the features [n, N*H] of the next n committed positions."""
-        drafter = self.drafter
-        positions = torch.arange(self.length, self.length + features.shape[0], device=features.device)
-        context = drafter.project_context(features)
-        cos, sin = drafter._rope(positions, context.dtype)
-        for index, layer in enumerate(drafter.layers):
-            k, v = layer.self_attn.keys_values(context, cos, sin)
-            self.keys[index] = k if self.keys[index] is None else torch.cat([self.keys[index], k])
-            self.values[index] = v if self.values[index] is None else torch.cat([self.values[index], v])
-        self.length += features.shape[0]
-
-    def crop(self, length: int) -> None:
-        """Forget context positions >= length (after a rejected speculation)."""
-        self.keys = [k[:length] if k is not None else None for k in self.keys]
-        self.values = [v[:length] if v is not None else None for v in self.values]
-        self.length = min(self.length, length)
-
-
-@torch.no_grad()
-def draft_hidden(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
-    """Final-norm hidden states [B-1, H] of the slots after `anchor_token`, which sits at position
-    cache.length. The context is every position < cache.length (the anchor's own features are not
-    known yet). `head` is the target's frozen embedding and LM head (`target.TargetHead`)."""
-    config = drafter.config
-    device = head.embed_weight.device
-    ids = torch.full((config.block_size,), config.mask_token_id, dtype=torch.long, device=device)
-    ids[0] = anchor_token
-    x = head.embed(ids).to(drafter.fc.weight.dtype)
-    positions = torch.arange(cache.length, cache.length + config.block_size, device=device)
-    rope_block = drafter._rope(positions, x.dtype)
-    mask = None
-    if config.sliding_window is not None and cache.length > config.sliding_window:
-        mask = torch.ones(config.block_size, cache.length + config.block_size, dtype=torch.bool, device=device)
-        mask[:, : cache.length - config.sliding_window] = False
-    for index, layer in enumerate(drafter.layers):
-        if cache.keys[index] is None:
-            empty = torch.zeros(0, config.num_key_value_heads, config.head_dim, dtype=x.dtype, device=device)
-            kv = (empty, empty)
-        else:
-            kv = (cache.keys[index], cache.values[index])
-        x = layer(x, None, rope_block, None, mask, cached_kv=kv)
-    return drafter.norm(x)[1:]
-
-
 def draft_logits(drafter: DFlashDrafter, head, hidden: torch.Tensor) -> torch.Tensor:
     """Logits [..., V] of drafted hidden states [..., H] over the drafter's draft vocabulary."""
     weight = drafter.draft_head_weight(head)
     return hidden.to(weight.dtype).contiguous() @ weight.T
-
-
-@torch.no_grad()
-def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
-    """Logits [B-1, V] for the tokens after `anchor_token`, which sits at position cache.length.
-
-    V is the drafter's draft vocabulary (`drafter.vocab_tokens` maps columns to token ids), the
-    whole vocabulary unless it has one.
-
-    `head` is the target's frozen embedding and LM head (`target.TargetHead`).
-    The context is every position < cache.length (the anchor's own features are not known yet).
-    """
-    return draft_logits(drafter, head, draft_hidden(drafter, head, cache, anchor_token))
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -26,14 +26,13 @@ over the K, whose probabilities q go to the lossless verification. Codebooks are
 target's token ids (the full vocabulary), whatever vocabulary the drafter's head drafts over.
 
 The member (`DFlash2`) owns the options that size both (`train.options.dflash2`), the selector's
-loss term (`selector_loss`, beside the drafted slots' cross-entropy), its walk as the chain
-proposer, the scores of what the selector buys over each slot's own argmax (τ_argmax, τ_oracle,
+loss term (`selector_loss`, beside the drafted slots' cross-entropy), its walk as its drafting
+hook (`draft_chain`), the scores of what the selector buys over each slot's own argmax (τ_argmax, τ_oracle,
 the selector's gain, top-K recall) and its serving names (`DFlash2DraftModel`).
 """
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,7 +40,7 @@ from torch import nn
 from dflash_pipeline.decoding.sampling import draw_with_uniforms
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.architecture import Architecture, correct_argmax
-from dflash_pipeline.drafters.core import ArchitectureModule, DFlashDrafter, DraftCache, DrafterConfig, Proposal, draft_hidden, draft_logits
+from dflash_pipeline.drafters.core import ArchitectureModule, DrafterConfig, draft_logits
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.stats import acceptance_length, mean_ci95_over_prompts, paired_difference
 
@@ -177,18 +176,6 @@ def select_paths(selector: CandidateSelector, hidden: torch.Tensor, logits: torc
     return SelectedPath(tokens=tokens, candidates=candidates, unary=unary, q=q)
 
 
-@torch.no_grad()
-def select_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int, *, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> SelectedPath:
-    """One block after `anchor_token` (at position cache.length): the selector's path through each
-    slot's top-K (`select_paths`), with leading dimension 1."""
-    hidden = draft_hidden(drafter, head, cache, anchor_token)
-    logits = draft_logits(drafter, head, hidden)
-    anchors = torch.tensor([anchor_token], device=hidden.device)
-    return select_paths(drafter.candidate_selector, hidden[None], logits[None], anchors, to_token_ids=drafter.vocab_tokens,
-                        temperature=temperature, generator=generator)
-
-
 def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, head_rows: torch.Tensor, columns: torch.Tensor,
                   labels: torch.Tensor, predecessors: torch.Tensor, weights: torch.Tensor, *, token_ids: torch.Tensor | None = None):
     """sum(w * CE) of the answer among each slot's candidates, and whether it was among them.
@@ -268,24 +255,11 @@ class DFlash2(Architecture):
                                                         options.selector_top_k)}
 
     # drafting
-    def chain_proposer(self, drafter: DFlashDrafter, head, sampling, generator):
-        """The selector's walk from the anchor (`select_block`): greedy at T = 0 and under "match";
-        under "ratio" sampled at the sampling temperature, with q each slot's draw probabilities
-        over its K candidates (zero elsewhere). A slot's q depends on the token drawn before it,
-        which the ratio test allows (as for any autoregressive drafter)."""
-
-        def propose(cache: DraftCache, anchor: int) -> Proposal:
-            if sampling is None or sampling.rule == "match":
-                return Proposal(select_block(drafter, head, cache, anchor).tokens[0].tolist())
-            path = select_block(drafter, head, cache, anchor, temperature=sampling.temperature, generator=generator)
-            q = torch.zeros(path.q.shape[1], head.lm_head_weight.shape[0]).scatter_(1, path.candidates[0].cpu(), path.q[0].float().cpu())
-            return Proposal(path.tokens[0].tolist(), q)
-
-        return propose
-
-    def chain_on_device(self, drafter, head, hidden, anchor, sampling=None, uniforms=None):
-        """`chain_proposer`'s walk on the device (`Architecture.chain_on_device`): q is each slot's
-        draw probabilities over its K candidates, zero elsewhere."""
+    def draft_chain(self, drafter, head, hidden, anchor, sampling=None, uniforms=None):
+        """The selector's walk through each slot's top-K (`select_paths`): greedy at T = 0 and under
+        "match"; under "ratio" sampled at the sampling temperature, with q each slot's draw
+        probabilities over its K candidates (zero elsewhere). A slot's q depends on the token drawn
+        before it, which the ratio test allows (as for any autoregressive drafter)."""
         logits = draft_logits(drafter, head, hidden)
         sampled = sampling is not None and sampling.rule == "ratio"
         path = select_paths(drafter.candidate_selector, hidden[None], logits[None], anchor.view(1), to_token_ids=drafter.vocab_tokens,
@@ -295,7 +269,7 @@ class DFlash2(Architecture):
         q = torch.zeros(path.q.shape[1], head.lm_head_weight.shape[0], device=hidden.device)
         return path.tokens[0], q.scatter_(1, path.candidates[0], path.q[0].float())
 
-    # tree_proposer: the Architecture default, from the head's per-slot logits (the selector walks one path, not a tree)
+    # Trees: the shared builder over the head's per-slot logits (the selector walks one path, not a tree).
 
     # training
     def loss_top_k(self, config: DrafterConfig, loss_options: DFlash2LossOptions) -> int:
@@ -328,13 +302,6 @@ class DFlash2(Architecture):
         walked = ((path.tokens == labels) & valid).cpu().numpy()
         in_top_k = ((path.candidates == labels[..., None]).any(-1) & valid).cpu().numpy()
         return walked, {"argmax_correct": correct_argmax(drafter, logits, labels, valid), "in_top_k": in_top_k}
-
-    def score_one_block(self, drafter, head, cache, *, anchor_token, logits, label_ids, valid):
-        label_ids, valid = label_ids[None].to(logits.device), valid[None].to(logits.device)
-        path = select_block(drafter, head, cache, anchor_token)  # the walk as decoding takes it
-        walked = ((path.tokens == label_ids) & valid).cpu().numpy()
-        in_top_k = ((path.candidates == label_ids[..., None]).any(-1) & valid).cpu().numpy()
-        return walked, {"argmax_correct": correct_argmax(drafter, logits[None], label_ids, valid), "in_top_k": in_top_k}
 
     def summarize_extras(self, scores) -> dict[str, float]:
         """τ of each slot's own argmax (DFlash's rule) and of an oracle that picks the label whenever

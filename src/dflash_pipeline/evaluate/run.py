@@ -289,34 +289,29 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
     """
     by_name = {c.name: c for c in candidates}
     session = open_session(target, by_name[names[0]].drafter, device=device, layer_ids=layer_ids, head=head)
-    sessions = {name: session.with_drafter(by_name[name].drafter) for name in names}  # one target, one tap, each drafter
-    model, tap, eos_ids = session.model, session.tap, session.eos_ids
+    sessions = {name: session.with_drafter(by_name[name].drafter) for name in names}  # one target, each drafter
+    model, eos_ids = session.model, session.eos_ids
     prompts = val_prompts(generated_val, config.num_prompts)
     verify_tokens, plans = {}, {}
     if config.verify_tokens is None and acceptance and prompts:
         costs = measure_forward_costs(model, prompts[0][1], max(by_name[name].drafter.config.block_size for name in names))
         for name in names:
-            drafter = by_name[name].drafter
-            plans[name] = plan_verify_tokens(model, tap, drafter, sessions[name].proposer(), prompts[0][1], acceptance[name],
+            plans[name] = plan_verify_tokens(model, sessions[name].speculation(), prompts[0][1], acceptance[name],
                                              eos_ids=eos_ids, feature_dtype=feature_dtype, costs=costs)
             verify_tokens[name] = plans[name].tokens
     for name in names:
         block = by_name[name].drafter.config.block_size
         verify_tokens.setdefault(name, min(config.verify_tokens or block - 1, block - 1))
 
-    def chains(sampling=None):
-        return [(name, by_name[name].drafter, sessions[name].proposer(sampling=sampling, verify_tokens=verify_tokens[name]))
-                for name in names]
-
-    trees = [(f"{name}/{DecodingMode.tree(budget).name}", by_name[name].drafter, sessions[name].proposer(tree_budget=budget))
+    chains = [(name, sessions[name].speculation(verify_tokens=verify_tokens[name])) for name in names]
+    trees = [(f"{name}/{DecodingMode.tree(budget).name}", sessions[name].speculation(tree_budget=budget))
              for name in names for budget in config.tree_budgets]
     common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, feature_dtype=feature_dtype, progress=True)
-    results = end_to_end(model, tap, chains() + trees, prompts, **common)
+    results = end_to_end(model, chains + trees, prompts, **common)
     sampled = {}
     for temperature in [t for t in config.temperatures if t > 0]:
         sampling = Sampling(temperature, rule=config.sampling_rule, seed=config.seed)
-        sampled[temperature] = end_to_end(model, tap, chains(sampling), prompts, sampling=sampling, **common)
-    session.close()
+        sampled[temperature] = end_to_end(model, chains, prompts, sampling=sampling, **common)
     machine = f"{device} on {machine_description()}"  # which mode pays depends on it
     engine = speculation_engine(model)
     return {name: replace(summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],

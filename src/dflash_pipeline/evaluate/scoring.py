@@ -14,8 +14,8 @@ target's own features before the anchor) and compared with the target-greedy ans
 
 Means carry a 95% interval over prompts (`stats`), never over blocks: blocks of one answer are
 not independent. `score_teacher_forced` drafts all blocks of several sequences in one forward
-under the DFlash mask (seconds for thousands of blocks); `score_one_block_at_a_time` is the plain
-reference through the decoding cache, obvious by inspection, that the tests compare it with.
+under the DFlash mask (seconds for thousands of blocks); tests/oracles/scoring.py keeps the plain
+reference, one block at a time through a host context cache, that the tests compare it with.
 Train's periodic τ and the `evaluate` stage both call `score_teacher_forced`.
 """
 
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_pipeline.data.blocks import build_batch, draw_anchors, scoring_anchor_seed, valid_anchors
+from dflash_pipeline.data.blocks import build_batch, scoring_anchor_seed, valid_anchors
 from dflash_pipeline.errors import PipelineError
 from dflash_pipeline.evaluate.record import Interval, TeacherForced
 from dflash_pipeline.drafters import family
-from dflash_pipeline.drafters.core import DFlashDrafter, DraftCache, draft_block
+from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.stats import acceptance_length, format_interval, mean_ci95_over_prompts, paired_difference as paired_prompt_difference
 from dflash_pipeline.target.load import TargetHead
@@ -267,51 +267,6 @@ def score_teacher_forced(drafter: DFlashDrafter, head: TargetHead, dataset, *, a
         score_pending(everything=True)
     if not parts["correct"]:
         raise PipelineError("evaluate: the val shards hold no answer with two tokens in a row to anchor a block")
-    return _joined(parts, streak_parts, extra_parts, member.name)
-
-
-@torch.no_grad()
-def score_one_block_at_a_time(drafter: DFlashDrafter, head: TargetHead, dataset, *, anchors_per_sequence: int, tree_budgets: list[int],
-                              seed: int = 0, sequences: list[int] | None = None, reuse_context: bool = True) -> BlockScores:
-    """The plain reference: one block per drafter forward through the inference KV cache.
-
-    Same anchors and scoring as `score_teacher_forced`; obvious by inspection, and slow (the
-    vocabulary head runs on B-1 rows at a time). `reuse_context=False` rebuilds the context
-    cache for every block, as a script that drafts each block from scratch does. Used by the
-    tests and the benchmark.
-    """
-    drafter.eval()
-    config = drafter.config
-    block_size, cap = config.block_size, _anchors_cap(anchors_per_sequence)
-    member = drafter.architecture
-    parts = {"sequence": [], "anchor": [], "correct": [], "valid": []}
-    extra_parts: dict[str, list] = {}
-    streak_parts: dict[int, list] = {budget: [] for budget in tree_budgets}
-    for index in (range(len(dataset)) if sequences is None else sequences):
-        sample = dataset[index]
-        ids, mask, length = sample.input_ids.long(), sample.loss_mask.bool(), sample.input_ids.shape[0]
-        anchors = draw_anchors(sample.loss_mask, cap, scoring_anchor_seed(seed, index))
-        cache = DraftCache(drafter)
-        for anchor in anchors:
-            if not reuse_context:
-                cache = DraftCache(drafter)
-            cache.extend(sample.features[cache.length : anchor].to(head.embed_weight.device))
-            logits = draft_block(drafter, head, cache, int(ids[anchor]))
-            slots = torch.arange(anchor + 1, anchor + block_size)
-            inside = slots < length
-            labels = drafter.vocab_index(ids[slots.clamp(max=length - 1)])
-            valid = inside & mask[slots.clamp(max=length - 1)]
-            own, extras = member.score_one_block(drafter, head, cache, anchor_token=int(ids[anchor]), logits=logits,
-                                                 label_ids=ids[slots.clamp(max=length - 1)], valid=valid)
-            for name, values in extras.items():
-                extra_parts.setdefault(name, []).append(values)
-            correct, streaks = _score_logits(logits[None], labels[None], valid[None], tree_budgets)
-            parts["correct"].append(correct if own is None else own)
-            parts["valid"].append(valid[None].numpy())
-            parts["sequence"].append(np.array([index]))
-            parts["anchor"].append(np.array([anchor]))
-            for budget in tree_budgets:
-                streak_parts[budget].append(streaks[budget])
     return _joined(parts, streak_parts, extra_parts, member.name)
 
 
