@@ -1,10 +1,13 @@
 """The device draft tree (issue #28): `build_draft_tree_tensors` grows the same tree as the host's
-`build_draft_tree` (random inputs and inputs full of ties), reads nothing back from the device,
-compiles to one graph of static shapes; `tree_attention_visibility` equals the visible part of
-`tree_attention_mask`."""
+`build_draft_tree` (random inputs and inputs full of ties), one block or a batch of blocks in
+lockstep, reads nothing back from the device, compiles to one graph of static shapes;
+`tree_streaks` walks the batched trees as `DraftTree.streak` walks each; `tree_attention_visibility`
+equals the visible part of `tree_attention_mask`."""
 
 import math
 import random
+
+import numpy as np
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from dflash_pipeline.decoding.trees import (
     ranked_candidates,
     tree_attention_mask,
     tree_attention_visibility,
+    tree_streaks,
 )
 from test_step_contract import DeviceReads
 
@@ -197,3 +201,92 @@ def test_the_compiled_builder_is_one_graph_that_never_recompiles():
             assert torch.equal(visible[: 1 + int(count), : past + 1 + int(count)], host_visible)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+# ----------------------------------------------------------------------------- many blocks at once
+
+
+def batch_of_inputs(seed: int, blocks: int, slots: int, width: int):
+    """[blocks, D, K] log-probs of every kind the builders must agree on, and distinct ids per slot:
+    random; rounded to one decimal (many equal sums); each block's rows all equal; all equal;
+    random with -inf entries; all -inf but the first candidate of each slot."""
+    generator = torch.Generator().manual_seed(seed)
+    random_values = torch.randn(blocks, slots, width, generator=generator) * 2
+    kinds = {
+        "random": random_values,
+        "one decimal": (random_values.clamp(max=0) * 10).round() / 10,
+        "equal rows": (torch.randn(blocks, 1, width, generator=generator) * 10).round().div(10).expand(blocks, slots, width),
+        "all equal": torch.full((blocks, slots, width), -0.5),
+        "-inf": random_values.masked_fill(torch.rand(blocks, slots, width, generator=generator) < 0.3, -math.inf),
+        "-inf but the first": torch.full((blocks, slots, width), -math.inf).index_fill(2, torch.tensor([0]), -1.0),
+    }
+    token_ids = torch.stack([distinct_ids(slots, width, generator) for _ in range(blocks)])
+    return kinds, token_ids
+
+
+@pytest.mark.parametrize(("slots", "width"), [(1, 1), (1, 5), (2, 2), (3, 4), (4, 3), (7, 2), (15, 8), (15, 20)])
+def test_the_batched_builder_grows_each_blocks_host_tree(slots, width):
+    """Block by block the batched tree is `build_draft_tree`'s (nodes, parents, depths, count, the
+    padding past it), for budgets up to past D * K (where the candidates run out) and for every kind
+    of ties; the blocks of one batch differ, so no block's growth leaks into another's. D = 15,
+    K = 20 takes two rank-path keys from budget 20 on."""
+    kinds, token_ids = batch_of_inputs(slots * 10 + width, 12, slots, width)
+    for what, logprobs in kinds.items():
+        for budget in (1, 2, 5, 16, slots * width + 3):
+            tree = build_draft_tree_tensors(logprobs, token_ids, budget)
+            assert tree.tokens.shape == tree.parents.shape == tree.depths.shape == (12, budget) and tree.count.shape == (12,)
+            for block in range(12):
+                expected = host_tree(logprobs[block], token_ids[block], budget)
+                count = int(tree.count[block])
+                assert count == len(expected), (what, budget, block)
+                got = (tree.tokens[block, :count].tolist(), tree.parents[block, :count].tolist(), tree.depths[block, :count].tolist())
+                assert got == (expected.tokens, expected.parents, expected.depths), (what, budget, block)
+                assert tree.parents[block, count:].eq(PADDING).all() and tree.depths[block, count:].eq(-1).all(), (what, budget, block)
+
+
+def test_one_block_keeps_unbatched_shapes_and_equals_its_row_of_a_batch():
+    kinds, token_ids = batch_of_inputs(5, 3, 4, 6)
+    logprobs = kinds["one decimal"]
+    batched = build_draft_tree_tensors(logprobs, token_ids, 10)
+    for block in range(3):
+        alone = build_draft_tree_tensors(logprobs[block], token_ids[block], 10)
+        assert alone.tokens.shape == alone.parents.shape == alone.depths.shape == (10,) and alone.count.shape == ()
+        assert torch.equal(alone.tokens, batched.tokens[block]) and torch.equal(alone.parents, batched.parents[block])
+        assert torch.equal(alone.depths, batched.depths[block]) and torch.equal(alone.count, batched.count[block])
+    empty = build_draft_tree_tensors(torch.zeros(0, 3, 4), torch.zeros(0, 3, 4, dtype=torch.int64), 6)
+    assert empty.tokens.shape == (0, 6) and empty.count.shape == (0,)
+    no_slots = build_draft_tree_tensors(torch.zeros(2, 0, 4), torch.zeros(2, 0, 4, dtype=torch.int64), 3)
+    assert no_slots.parents.tolist() == [[PADDING] * 3] * 2 and no_slots.count.tolist() == [0, 0]
+
+
+def test_the_batched_builder_reads_nothing_back():
+    kinds, token_ids = batch_of_inputs(6, 5, 7, 4)
+    with DeviceReads() as reads:
+        tree = build_draft_tree_tensors(kinds["-inf"], token_ids, 16)
+        tree_streaks(tree, token_ids[:, :, 0], torch.full((5,), 7), [1, 8, 16])
+    assert reads.calls == []
+
+
+@pytest.mark.parametrize(("slots", "width"), [(1, 3), (2, 2), (3, 4), (4, 3), (7, 2), (15, 8)])
+def test_tree_streaks_equal_the_host_trees_walk_for_every_budget(slots, width):
+    """References that follow some candidate (mostly the first, often another), sometimes a token no
+    candidate has, cut to random lengths (0 to D); budgets from 0 past D * K, out of order, as
+    `DraftTree.streak` of the host tree of that budget walks them."""
+    blocks = 40
+    kinds, token_ids = batch_of_inputs(slots * 7 + width, blocks, slots, width)
+    rng = np.random.default_rng(slots * 100 + width)
+    chosen = torch.as_tensor(np.where(rng.random((blocks, slots)) < 0.6, 0, rng.integers(0, width, (blocks, slots))))  # mostly the first
+    reference = token_ids.gather(2, chosen[..., None])[..., 0]
+    reference = torch.where(torch.as_tensor(rng.random((blocks, slots)) < 0.1), 1000, reference)  # no candidate's token
+    length = torch.as_tensor(rng.integers(0, slots + 1, blocks))
+    budgets = [5, 0, 1, 2, 16, slots * width + 3]
+    for what, logprobs in kinds.items():
+        tree = build_draft_tree_tensors(logprobs, token_ids, max(budgets))
+        streaks = tree_streaks(tree, reference, length, budgets)
+        assert sorted(streaks) == sorted(budgets)
+        for budget in budgets:
+            assert streaks[budget].dtype == torch.int64 and streaks[budget].shape == (blocks,)
+            expected = [host_tree(logprobs[block], token_ids[block], budget).streak(reference[block, : length[block]].tolist())
+                        for block in range(blocks)]
+            assert streaks[budget].tolist() == expected, (what, budget)
+        assert streaks[max(budgets)].max() >= min(slots, 2), what  # the walks reach past the first slot

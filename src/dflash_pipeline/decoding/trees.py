@@ -8,17 +8,22 @@ that verifies all of them in one target forward, and the walk that finds what th
                          argmax at each verified node) are the same walk
     tree_attention_mask  each node sees the context, the anchor, its ancestors and itself
 
-One implementation serves the `ddtreeK_streak` metric (`scoring`) and tree decoding (`engine`), so
-the teacher-forced streak and the end-to-end tree acceptance describe the same tree.
-
 The device twins (issue #28) build the same tree and mask with static shapes and no read back to
 the host, so a GPU decode step can run them inside one compiled graph:
 
     build_draft_tree_tensors    `build_draft_tree` as a fixed `budget` of argmax pops over a fixed
-                                frontier of 2 * budget + 1 candidates (DraftTreeTensors, padded)
+                                frontier of 2 * budget + 1 candidates (DraftTreeTensors, padded),
+                                for one block or for n blocks in lockstep
+    tree_streaks                `DraftTree.streak` of n such trees, for every budget at once
     DraftTree.from_tensors      its result read back into a DraftTree (host paths, tests)
     tree_attention_visibility   the visible part of `tree_attention_mask`, from `parents` by at
                                 most D - 1 hops up the tree
+
+`build_draft_tree_tensors` is the builder to keep: the static decode step grows one block's tree
+with it, and the `ddtreeK_streak` metric (`scoring`) grows every scored block's with it and walks
+them with `tree_streaks`, so the teacher-forced streak and the end-to-end tree acceptance describe
+the same tree. `build_draft_tree`, the obvious heap, is the reference the tests compare it with
+(the host tree proposer still calls it).
 """
 
 import heapq
@@ -116,7 +121,8 @@ def build_draft_tree(logprobs, token_ids, budget: int) -> DraftTree:
 class DraftTreeTensors:
     """A draft tree as device tensors of a fixed length, `budget`: nodes [0, count) are
     `build_draft_tree`'s nodes in its order; the rest are padding (token 0, parent PADDING,
-    depth -1), which no walk enters and no node of the tree sees."""
+    depth -1), which no walk enters and no node of the tree sees. A batch of n trees has a leading
+    [n] on every field (fields [n, budget], count [n])."""
 
     tokens: torch.Tensor  # [budget], token_ids' dtype
     parents: torch.Tensor  # [budget] int64: parent node, ANCHOR for depth 0, PADDING past count
@@ -176,95 +182,156 @@ class RankPathKeys:
 
 NOT_A_CANDIDATE = torch.iinfo(torch.int64).max  # above every RankPathKeys key
 
-# The frontier's integer columns (one row per offered candidate); its key chunks follow.
+# The frontier's integer fields (each a column of one row per offered candidate); its key chunks follow.
 SLOT, RANK, PARENT, KEYS = 0, 1, 2, 3
-# Its float64 columns.
+# Its float64 fields.
 SCORE, PARENT_SCORE = 0, 1
 
 
 def build_draft_tree_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, *, place: torch.Tensor | None = None) -> DraftTreeTensors:
-    """`build_draft_tree` on the device: the same nodes in the same order (same float64 sums, same
-    tie order), with static shapes and no read back to the host.
+    """`build_draft_tree` on the device, for one block or n blocks at once: for every block the same
+    nodes in the same order (same float64 sums, same tie order), with static shapes and no read
+    back to the host.
 
-    logprobs / token_ids [D, K] on any device, each slot's K best tokens in `ranked_candidates`'
-    order. The host heap pops at most `budget` times and each pop offers at most two candidates
-    (the next sibling and the first child), so a frontier of 2 * budget + 1 rows holds every
-    candidate ever offered: row 0 the root, rows 2t + 1 and 2t + 2 the t-th pop's offers. Each of
-    the `budget` iterations (a Python loop over a fixed int: it unrolls under torch.compile) takes
-    the open row of the highest score, of those the smallest rank path (`RankPathKeys`), and
-    closes it. Once no row is open the remaining iterations write padding. Log-probs may be -inf
-    (such candidates tie and go by rank path, as on the host), not NaN. `place`: the
-    `RankPathKeys.place_values` of these sizes, made beforehand by a caller whose step is captured
-    as a CUDA graph (a capture cannot copy from the host).
+    logprobs / token_ids [D, K] (one block: DraftTreeTensors of [budget] fields) or [n, D, K]
+    (fields [n, budget], count [n]), on any device, each slot's K best tokens in
+    `ranked_candidates`' order. The host heap pops at most `budget` times and each pop offers at
+    most two candidates (the next sibling and the first child), so a frontier of 2 * budget + 1
+    rows per block holds every candidate ever offered: row 0 the root, rows 2t + 1 and 2t + 2 the
+    t-th pop's offers. Each of the `budget` iterations (a Python loop over a fixed int: it unrolls
+    under torch.compile) takes, in every block at once, the open row of the highest score, of those
+    the smallest rank path (`RankPathKeys`), and closes it. Once a block has no open row its
+    remaining iterations write padding. Log-probs may be -inf (such candidates tie and go by rank
+    path, as on the host), not NaN. `place`: the `RankPathKeys.place_values` of these sizes, made
+    beforehand by a caller whose step is captured as a CUDA graph (a capture cannot copy from the
+    host).
     """
-    assert logprobs.dim() == 2 and tuple(logprobs.shape) == tuple(token_ids.shape), \
-        f"logprobs {tuple(logprobs.shape)} and token_ids {tuple(token_ids.shape)} must both be [D, K]"
-    slots, width = logprobs.shape
+    assert logprobs.dim() in (2, 3) and tuple(logprobs.shape) == tuple(token_ids.shape), \
+        f"logprobs {tuple(logprobs.shape)} and token_ids {tuple(token_ids.shape)} must both be [D, K] or [n, D, K]"
+    if logprobs.dim() == 2:  # one block: the batched growth over a batch of one
+        tree = _grow_draft_trees(logprobs[None], token_ids[None], budget, place)
+        return DraftTreeTensors(tokens=tree.tokens[0], parents=tree.parents[0], depths=tree.depths[0], count=tree.count[0])
+    return _grow_draft_trees(logprobs, token_ids, budget, place)
+
+
+def _grow_draft_trees(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, place: torch.Tensor | None) -> DraftTreeTensors:
+    """`build_draft_tree_tensors` of logprobs / token_ids [n, D, K]: every block's frontier grown in
+    lockstep (one pop per block per iteration)."""
+    # One function on purpose (~60 lines): the pop loop reads and writes the same four frontier
+    # tensors; split up, each piece would take and return all of them.
+    blocks, slots, width = logprobs.shape
     device = logprobs.device
     budget = max(budget, 0)
     if slots == 0 or width == 0 or budget == 0:
-        return DraftTreeTensors(tokens=torch.zeros(budget, dtype=token_ids.dtype, device=device),
-                                parents=torch.full((budget,), PADDING, dtype=torch.int64, device=device),
-                                depths=torch.full((budget,), -1, dtype=torch.int64, device=device),
-                                count=torch.zeros((), dtype=torch.int64, device=device))
+        return DraftTreeTensors(tokens=torch.zeros(blocks, budget, dtype=token_ids.dtype, device=device),
+                                parents=torch.full((blocks, budget), PADDING, dtype=torch.int64, device=device),
+                                depths=torch.full((blocks, budget), -1, dtype=torch.int64, device=device),
+                                count=torch.zeros(blocks, dtype=torch.int64, device=device))
     keys = RankPathKeys.for_sizes(slots, width, budget)
     place = keys.place_values(device) if place is None else place
-    flat_scores = logprobs.double().reshape(-1)  # float64 like the host's Python floats: the sums agree bit for bit
-    flat_ids = token_ids.reshape(-1)
+    flat_scores = logprobs.double().reshape(blocks, slots * width)  # float64 like the host's Python floats: the sums agree bit for bit
+    flat_ids = token_ids.reshape(blocks, slots * width)
     rows = 2 * budget + 1
-    row_numbers = torch.arange(rows, device=device)
 
-    # the root candidate: slot 0, rank 0, under the anchor, its score the first log-prob
-    integers = torch.zeros(rows, KEYS + keys.chunks, dtype=torch.int64, device=device)
-    integers[0, PARENT] = ANCHOR
-    integers[0, KEYS:] = place[0]
-    floats = torch.zeros(rows, 2, dtype=torch.float64, device=device)
-    floats[0, SCORE] = flat_scores[0]
-    open_rows = row_numbers == 0
+    # Every block's frontier: a field (SLOT, ...; SCORE, ...) by a row per offered candidate by a
+    # block ([fields, rows, n]): the pops reduce over the rows, and a reduction over a leading
+    # dimension runs across the contiguous blocks, several times faster on a CPU than one over each
+    # block's few rows. A closed row's SCORE is -inf, so the best score needs no masked copy. The
+    # root candidate of every block: slot 0, rank 0, under the anchor, its score the first log-prob.
+    integers = torch.zeros(KEYS + keys.chunks, rows, blocks, dtype=torch.int64, device=device)
+    integers[PARENT, 0] = ANCHOR
+    integers[KEYS:, 0] = place[0][:, None]
+    floats = torch.zeros(2, rows, blocks, dtype=torch.float64, device=device)
+    floats[SCORE, 0] = flat_scores[:, 0]
+    open_rows = torch.zeros(rows, blocks, dtype=torch.bool, device=device)
+    open_rows[0] = True
+    open_count = torch.ones(blocks, dtype=torch.int64, device=device)  # open_rows.sum(0), kept up to date: cheaper than a reduction
 
     tokens, parents, depths, grown = [], [], [], []
     for pop in range(budget):
-        # the host heap's minimum: highest score, then smallest rank path (rank paths are unique)
-        best_score = torch.where(open_rows, floats[:, SCORE], -torch.inf).max()
-        tied = open_rows & (floats[:, SCORE] == best_score)
-        best = first_rank_path(integers[:, KEYS:], tied)  # [1]
-        any_open = open_rows.any().reshape(1)
-        popped = integers.index_select(0, best)[0]
-        popped_floats = floats.index_select(0, best)[0]
-        slot, rank, parent = popped[SLOT : SLOT + 1], popped[RANK : RANK + 1], popped[PARENT : PARENT + 1]
-        score, parent_score = popped_floats[SCORE : SCORE + 1], popped_floats[PARENT_SCORE : PARENT_SCORE + 1]
-        path_key = popped[KEYS:]
+        # each block's host heap minimum: highest score, then smallest rank path (rank paths are
+        # unique), among the 2 * pop + 1 rows offered so far (a static slice per unrolled pop)
+        offered_so_far = 2 * pop + 1
+        scores, open_so_far = floats[SCORE, :offered_so_far], open_rows[:offered_so_far]
+        best_score = scores.amax(dim=0, keepdim=True)  # a closed row scores -inf (an open one may too)
+        best = first_rank_path(integers[KEYS:, :offered_so_far], open_so_far & (scores == best_score))  # [1, n]
+        any_open = open_count > 0
+        popped = integers.gather(1, best.expand(integers.shape[0], 1, blocks))[:, 0]  # [fields, n]
+        popped_floats = floats.gather(1, best.expand(2, 1, blocks))[:, 0]
+        slot, rank, parent, path_key = popped[SLOT], popped[RANK], popped[PARENT], popped[KEYS:]
+        score, parent_score = popped_floats[SCORE], popped_floats[PARENT_SCORE]
 
-        tokens.append(torch.where(any_open, flat_ids.index_select(0, slot * width + rank), 0))
+        tokens.append(torch.where(any_open, flat_ids.gather(1, (slot * width + rank)[:, None])[:, 0], 0))
         parents.append(torch.where(any_open, parent, PADDING))
         depths.append(torch.where(any_open, slot, -1))
         grown.append(any_open)
 
         # offers: the next sibling (same parent, rank + 1) and the first child (next slot, rank 0);
-        # indices are clamped where an offer does not exist, and such a row stays closed
+        # indices are clamped where an offer does not exist, and such a row stays closed (scored -inf)
         sibling_rank = rank + 1
-        sibling_score = parent_score + flat_scores.index_select(0, slot * width + sibling_rank.clamp(max=width - 1))
-        sibling = torch.cat([slot, sibling_rank, parent, path_key + place.index_select(0, slot)[0]])
+        sibling_score = parent_score + flat_scores.gather(1, (slot * width + sibling_rank.clamp(max=width - 1))[:, None])[:, 0]
+        sibling = torch.cat([torch.stack([slot, sibling_rank, parent]), path_key + place.index_select(0, slot).T])
         child_slot = slot + 1
-        child_score = score + flat_scores.index_select(0, child_slot.clamp(max=slots - 1) * width)
-        child = torch.cat([child_slot, torch.zeros_like(rank), torch.full_like(parent, pop), path_key + place.index_select(0, child_slot)[0]])
-        integers[2 * pop + 1 : 2 * pop + 3] = torch.stack([sibling, child])
-        floats[2 * pop + 1 : 2 * pop + 3] = torch.stack([torch.cat([sibling_score, parent_score]), torch.cat([child_score, score])])
-        open_rows = open_rows & (row_numbers != best)
-        open_rows[2 * pop + 1 : 2 * pop + 3] = torch.cat([any_open & (sibling_rank < width), any_open & (child_slot < slots)])
+        child_score = score + flat_scores.gather(1, (child_slot.clamp(max=slots - 1) * width)[:, None])[:, 0]
+        child = torch.cat([torch.stack([child_slot, torch.zeros_like(rank), torch.full_like(parent, pop)]),
+                           path_key + place.index_select(0, child_slot).T])
+        offered = torch.stack([any_open & (sibling_rank < width), any_open & (child_slot < slots)])
+        integers[:, 2 * pop + 1 : 2 * pop + 3] = torch.stack([sibling, child], dim=1)
+        floats[:, 2 * pop + 1 : 2 * pop + 3] = torch.stack([torch.where(offered, torch.stack([sibling_score, child_score]), -torch.inf),
+                                                             torch.stack([parent_score, score])])
+        # close the popped row (a block with nothing open "pops" a row closed already)
+        open_rows.scatter_(0, best, False)
+        floats[SCORE].scatter_(0, best, -torch.inf)
+        open_rows[2 * pop + 1 : 2 * pop + 3] = offered
+        open_count = open_count - any_open.long() + offered.long().sum(dim=0)
 
-    return DraftTreeTensors(tokens=torch.cat(tokens), parents=torch.cat(parents), depths=torch.cat(depths),
-                            count=torch.cat(grown).sum())
+    return DraftTreeTensors(tokens=torch.stack(tokens, dim=1), parents=torch.stack(parents, dim=1), depths=torch.stack(depths, dim=1),
+                            count=torch.stack(grown, dim=1).sum(dim=1))
 
 
 def first_rank_path(path_keys: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """[1]: the row of the lexicographically smallest key row among `candidates` (path_keys [N, C]
-    int64, candidates bool [N]); row 0 when there is none. Narrows the candidates one key chunk at
-    a time, then takes the first minimum of the last chunk (distinct paths: a single row)."""
-    for chunk in range(path_keys.shape[1] - 1):
-        column = path_keys[:, chunk]
-        candidates = candidates & (column == torch.where(candidates, column, NOT_A_CANDIDATE).min())
-    return torch.where(candidates, path_keys[:, -1], NOT_A_CANDIDATE).argmin().reshape(1)
+    """[1, n]: in each block, the row of the lexicographically smallest rank path among its
+    candidates (path_keys [C, N, n] int64: key chunk c of block b's row r at [c, r, b]; candidates
+    bool [N, n]); a row of no candidate when there is none. Narrows the candidates one key chunk at
+    a time, then takes a minimum of the last chunk (distinct paths: a single row)."""
+    for chunk in range(path_keys.shape[0] - 1):
+        column = path_keys[chunk]
+        candidates = candidates & (column == column.masked_fill(~candidates, NOT_A_CANDIDATE).amin(dim=0, keepdim=True))
+    return path_keys[-1].masked_fill(~candidates, NOT_A_CANDIDATE).argmin(dim=0, keepdim=True)
+
+
+def tree_streaks(tree: DraftTreeTensors, reference: torch.Tensor, reference_length: torch.Tensor, budgets) -> dict[int, torch.Tensor]:
+    """`DraftTree.streak` of n trees for every budget: {budget: int64 [n]}, how many nodes of the
+    tree of that budget (its first `budget` nodes in build order) the reference walks down from
+    the anchor.
+
+    tree: a batched DraftTreeTensors ([n, size] fields) of size >= every budget (the tree of a
+    smaller budget is its first nodes: the pops come in the same order whatever the budget);
+    reference [n, >= D]: each block's reference token per drafted slot, of which the first
+    reference_length [n] count. A node is on the walk when its depth is below the reference
+    length, its token is the reference's at its depth, and its parent is the anchor or on the walk;
+    with token ids distinct within a slot (as any top-K's are) that is the path `DraftTree.walk`
+    follows. No read back to the host.
+    """
+    tokens, parents, depths = tree.tokens, tree.parents, tree.depths
+    blocks, size = tokens.shape
+    assert max([0, *budgets]) <= size, f"budgets {list(budgets)} need a tree grown to the largest of them, not {size}"
+    reference = reference.to(tokens.device)
+    reference_length = reference_length.to(tokens.device)
+    # every node that matches the reference at its own depth (padding, depth -1, never does)
+    at_depth = reference.gather(1, depths.clamp(0, reference.shape[1] - 1)) if reference.shape[1] else torch.zeros_like(tokens)
+    matches = (depths >= 0) & (depths < reference_length[:, None]) & (tokens == at_depth)
+    # and whose ancestors all match: a node of depth d has d ancestors, and a matching node's
+    # depth is below the reference's width, so width - 1 hops up the tree check every one
+    on_walk, ancestor = matches, parents
+    for _ in range(max(min(reference.shape[1], size) - 1, 0)):
+        has_ancestor = ancestor >= 0
+        ancestor_node = ancestor.clamp(min=0)
+        on_walk = on_walk & (matches.gather(1, ancestor_node) | ~has_ancestor)
+        ancestor = torch.where(has_ancestor, parents.gather(1, ancestor_node), ancestor)
+    walked = on_walk.long().cumsum(dim=1)  # the ancestors of a node come before it: budget k walks the first k's
+    return {budget: walked[:, budget - 1] if budget > 0 else torch.zeros(blocks, dtype=torch.int64, device=tokens.device)
+            for budget in budgets}
 
 
 def ranked_candidates(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.stats import acceptance_length, format_interval, mean_ci95_over_prompts, paired_difference as paired_prompt_difference
 from dflash_pipeline.target.load import TargetHead
-from dflash_pipeline.decoding.trees import build_draft_tree, ranked_candidates
+from dflash_pipeline.decoding.trees import build_draft_tree_tensors, ranked_candidates, tree_streaks
 
 EVERY_ANCHOR = 1 << 30
 
@@ -43,12 +43,20 @@ def _anchors_cap(anchors_per_sequence: int) -> int:
 
 def ddtree_streak(logprobs, token_ids, reference: list[int], budget: int) -> int:
     """DDTree-k streak of one block: how many nodes of the tree of the `budget` most probable
-    drafted prefixes (`trees.build_draft_tree`, the tree that tree decoding verifies) the reference
-    walk matches from the root: 0..min(budget, len(reference)).
+    drafted prefixes (`trees.build_draft_tree_tensors`, the tree that tree decoding verifies) the
+    reference walk matches from the root: 0..min(budget, len(reference)).
 
     logprobs / token_ids [D][K]: each drafted depth's K best tokens in `trees.ranked_candidates`' order.
     """
-    return build_draft_tree(logprobs, token_ids, budget).streak(reference)
+    slots, width = len(logprobs), len(logprobs[0]) if len(logprobs) else 0
+    logprobs = torch.tensor(logprobs, dtype=torch.float64).reshape(1, slots, width)
+    token_ids = torch.tensor(token_ids, dtype=torch.int64).reshape(1, slots, width)
+    # one reference token per drafted slot: the rest of a longer reference is never reached, and
+    # a shorter one's padding lies past its length
+    counted = list(reference[:slots])
+    padded = torch.tensor([counted + [0] * (slots - len(counted))], dtype=torch.int64)
+    tree = build_draft_tree_tensors(logprobs, token_ids, max(budget, 0))
+    return int(tree_streaks(tree, padded, torch.tensor([len(counted)]), [budget])[budget][0])
 
 
 @dataclass
@@ -75,95 +83,34 @@ def ddtree_streaks(logprobs: np.ndarray, token_ids: np.ndarray, reference: np.nd
     """`ddtree_streak` for many blocks at once, for every budget: {budget: streaks [n]}.
 
     logprobs [n, D, K] float64 and token_ids [n, D, K]: each depth's K best tokens, best first;
-    reference [n, D]: the target's tokens, of which the first reference_length [n] count.
-    The same best-first growth as `ddtree_streak`, run for all blocks in lockstep, ties broken
-    the same way (the lexicographically smallest rank path of the best-scoring entries). Pops come
-    in the same order whatever the budget, so one growth to the largest budget serves them all:
-    the tree of budget k is the first k pops.
+    reference [n, D]: the target's tokens, of which the first reference_length [n] count. Every
+    block's tree grows in lockstep (`trees.build_draft_tree_tensors`); pops come in the same order
+    whatever the budget, so one growth to the largest budget serves them all (`trees.tree_streaks`).
     """
-    # One function on purpose (~70 lines): the growth is a single lockstep loop over a dozen
-    # per-node arrays; split up, those arrays would travel through every call.
-    n, depth, width = logprobs.shape
-    top = max([0, *budgets])
-    result = {budget: np.zeros(n, dtype=np.int64) for budget in budgets}
-    if n == 0 or top <= 0 or depth == 0:
-        return result
-    capacity = 2 * top + 1  # the root, then at most two pushes per pop
-    rows = np.arange(n)
-    alive = np.zeros((n, capacity), dtype=bool)
-    score = np.full((n, capacity), -np.inf)
-    parent_score = np.zeros((n, capacity))
-    node_depth = np.zeros((n, capacity), dtype=np.int64)
-    node_rank = np.zeros((n, capacity), dtype=np.int64)
-    parent = np.full((n, capacity), -1, dtype=np.int64)
-    path = np.full((n, capacity, depth), -1, dtype=np.int64)  # rank path, -1 past the node's depth
-    alive[:, 0], score[:, 0], path[:, 0, 0] = True, logprobs[:, 0, 0], 0
-    pushed = np.ones(n, dtype=np.int64)
-    on_path = np.zeros((n, top), dtype=bool)  # pop t is a node of the reference walk
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(array))
 
-    def push(which, entry_score, entry_parent_score, entry_depth, entry_rank, entry_parent, entry_path):
-        chosen = rows[which]
-        slot = pushed[chosen]
-        alive[chosen, slot], score[chosen, slot], parent_score[chosen, slot] = True, entry_score[which], entry_parent_score[which]
-        node_depth[chosen, slot], node_rank[chosen, slot], parent[chosen, slot] = entry_depth[which], entry_rank[which], entry_parent[which]
-        path[chosen, slot] = entry_path[which]
-        path[chosen, slot, entry_depth[which]] = entry_rank[which]
-        pushed[chosen] += 1
-
-    for step in range(top):
-        popped = alive.any(axis=1)
-        if not popped.any():
-            break  # every tree is complete (a tiny vocabulary)
-        masked = np.where(alive, score, -np.inf)
-        best = masked.max(axis=1, keepdims=True)
-        candidates = alive & (masked == best)
-        pick = np.argmax(candidates, axis=1)
-        tied = np.flatnonzero(candidates.sum(axis=1) > 1)
-        if tied.size:  # equal scores: the smallest rank path, compared depth by depth
-            among = candidates[tied]
-            for level in range(depth):
-                ranks = np.where(among, path[tied, :, level], np.iinfo(np.int64).max)
-                among &= ranks == ranks.min(axis=1, keepdims=True)
-            pick[tied] = np.argmax(among, axis=1)  # rank paths are distinct: one is left
-        d, r, p = node_depth[rows, pick], node_rank[rows, pick], parent[rows, pick]
-        s, ps = score[rows, pick], parent_score[rows, pick]
-        popped_path = path[rows, pick]
-        alive[rows, pick] &= ~popped
-        parent_on_path = np.where(p < 0, True, on_path[rows, np.maximum(p, 0)])
-        matches = token_ids[rows, d, r] == reference[rows, d]
-        on_path[:, step] = popped & parent_on_path & (d < reference_length) & matches
-        sibling = np.minimum(r + 1, width - 1)
-        push(popped & (r + 1 < width), ps + logprobs[rows, d, sibling], ps, d, r + 1, p, popped_path)
-        child = np.minimum(d + 1, depth - 1)
-        push(popped & (d + 1 < depth), s + logprobs[rows, child, 0], s, d + 1, np.zeros_like(r), np.full_like(p, step), popped_path)
-    reached = np.cumsum(on_path, axis=1)
-    for budget in budgets:
-        if budget > 0:
-            result[budget] = reached[:, budget - 1]
-    return result
+    tree = build_draft_tree_tensors(tensor(logprobs), tensor(token_ids), max([0, *budgets]))
+    streaks = tree_streaks(tree, tensor(reference), tensor(reference_length), budgets)
+    return {budget: streak.numpy() for budget, streak in streaks.items()}
 
 
 def _score_logits(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int]):
     """logits [n, B-1, V] (overwritten when float32) -> correct [n, B-1] and streaks {budget: [n]}.
 
-    One block (the reference loop) walks the obvious scalar tree; many blocks take the lockstep
-    `ddtree_streaks`. The tree's candidates are each slot's top max(budgets) tokens in
-    `trees.ranked_candidates`' order (which takes the log-sum-exp in place).
+    Any number of blocks, one block (the reference loop) included, grows the same lockstep trees
+    (`trees.build_draft_tree_tensors`, walked by `trees.tree_streaks`). The tree's candidates are
+    each slot's top max(budgets) tokens in `trees.ranked_candidates`' order (which takes the
+    log-sum-exp in place).
     """
     if not budgets:
         return ((logits.argmax(-1).cpu() == labels) & valid).numpy(), {}
     logprobs, ids = ranked_candidates(logits, max(budgets))  # a bf16 head's logits (GPU) are ranked in fp32, in a copy
     correct = (ids[..., 0].cpu() == labels) & valid  # the argmax (the lowest id among tied maxima)
-    logprobs, ids = logprobs.cpu().double().numpy(), ids.cpu().numpy()
-    reference_length = valid.int().cumprod(1).sum(1).numpy()
-    if logits.shape[0] > 1:
-        return correct.numpy(), ddtree_streaks(logprobs, ids, labels.numpy(), reference_length, budgets)
-    streaks = {budget: np.zeros(logits.shape[0], dtype=np.int64) for budget in budgets}
-    for block in range(logits.shape[0]):
-        reference = labels[block][: reference_length[block]].tolist()
-        for budget in budgets:
-            streaks[budget][block] = ddtree_streak(logprobs[block].tolist(), ids[block].tolist(), reference, budget)
-    return correct.numpy(), streaks
+    reference_length = valid.int().cumprod(1).sum(1)
+    tree = build_draft_tree_tensors(logprobs.cpu(), ids.cpu(), max(budgets))  # on the host, as `ddtree_streaks`
+    streaks = tree_streaks(tree, labels, reference_length, budgets)
+    return correct.numpy(), {budget: streak.numpy() for budget, streak in streaks.items()}
 
 
 def logits_into(head_weight: torch.Tensor, hidden: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
