@@ -15,15 +15,13 @@ import torch
 from dflash_pipeline.decoding.trees import (
     ANCHOR,
     PADDING,
-    DraftTree,
     RankPathKeys,
-    build_draft_tree,
     build_draft_tree_tensors,
     ranked_candidates,
-    tree_attention_mask,
     tree_attention_visibility,
     tree_streaks,
 )
+from oracles.trees import DraftTree, build_draft_tree, tree_attention_mask
 from test_step_contract import DeviceReads
 
 SLOTS = (1, 3, 7, 15)

@@ -94,3 +94,52 @@ def test_keep_path_leaves_a_prefix_of_the_node_order_in_place_and_drops_the_rest
     assert layer.keys.flatten().tolist() == [0, 1, 2, 3, 5, 8]
     keep_path(Cache(), 4, [])  # every node rejected
     assert layer.keys.flatten().tolist() == [0, 1, 2, 3]
+
+
+def test_the_package_has_one_decoding_engine():
+    """Issue #36: one loop family, tree builder, drafter cache and graph runner in src/; the host
+    loops, the heap builder, the host drafter cache and the one-block scorer live in tests/oracles."""
+    import ast
+    from pathlib import Path
+
+    import dflash_pipeline
+
+    package = Path(dflash_pipeline.__file__).parent
+    defined, uses = {}, {}
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.setdefault(node.name, []).append(path.relative_to(package).as_posix())
+        for needle in ("torch.cuda.CUDAGraph", "heapq", "DynamicCache(", "\nREAD_EVERY ="):
+            if needle in text:
+                uses.setdefault(needle.strip(), []).append(path.relative_to(package).as_posix())
+    for gone in ("host_greedy_decode", "host_speculative_decode", "dynamic_greedy_generate", "build_draft_tree", "DraftTree", "DraftCache",
+                 "draft_block", "keep_path", "verify_tree", "score_one_block_at_a_time", "score_one_block", "chain_proposer",
+                 "tree_proposer", "GraphedStep", "GraphedPhases", "select_block"):
+        assert gone not in defined, f"{gone} is defined in src/ ({defined[gone]}): it belongs in tests/oracles"
+    assert uses["torch.cuda.CUDAGraph"] == ["decoding/graphs.py"]  # the one graph runner
+    assert "heapq" not in uses  # the one tree builder is the tensor one
+    assert uses["DynamicCache("] == ["target/load.py"]  # only to read a config's sliding layers, never to decode
+    assert uses["READ_EVERY ="] == ["devices.py"]
+    assert defined["draft_chain"] == ["drafters/architecture.py", "drafters/dflash2.py"]  # the one drafting hook
+    assert sorted(defined["StaticDraftCache"]) == ["decoding/static_speculation.py"]
+
+
+def test_a_failed_graph_capture_warns_and_runs_the_same_phases_eagerly_with_their_state_put_back():
+    from dflash_pipeline.decoding.graphs import PhaseRunner
+
+    counter, log = torch.zeros((), dtype=torch.long), []
+
+    def phase():
+        counter.add_(1)
+        log.append(int(counter))
+
+    eager = PhaseRunner([phase], state=[counter], device=torch.device("cpu"))
+    assert not eager.graphed and eager.phases == (phase,) and not log  # nothing runs until called
+    with pytest.warns(UserWarning, match="CUDA graph capture of the decode step failed"):
+        runner = PhaseRunner([phase], state=[counter], device=torch.device("cpu"), capture=True)  # no CUDA here: capture fails
+    assert not runner.graphed and runner.phases == (phase,) and int(counter) == 0
+    runner.phases[0]()
+    assert int(counter) == 1

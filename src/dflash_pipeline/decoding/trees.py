@@ -1,33 +1,24 @@
-"""Draft trees (DDTree): the `budget` most probable drafted continuations of one block, the mask
-that verifies all of them in one target forward, and the walk that finds what the target accepts.
+"""Draft trees (DDTree): the `budget` most probable drafted continuations of a block, built with
+static shapes and no read back to the host, so a GPU decode step runs them inside one graph:
 
-    ranked_candidates    each slot's top-K tokens and log-probs, in a deterministic tie order
-    build_draft_tree     best-first growth of the most probable drafted prefixes
-    DraftTree.walk       follow a continuation down the tree from the anchor: the teacher-forced
-                         DDTree streak (the target's answer) and tree verification (the target's
-                         argmax at each verified node) are the same walk
-    tree_attention_mask  each node sees the context, the anchor, its ancestors and itself
+    ranked_candidates           each slot's top-K tokens and log-probs, in a deterministic tie
+                                order (`ranked_candidates_on_device`: the same without its one read)
+    build_draft_tree_tensors    best-first growth of the most probable drafted prefixes: a fixed
+                                `budget` of argmax pops over a fixed frontier of 2 * budget + 1
+                                candidates (DraftTreeTensors, padded), for one block or n in lockstep
+    tree_streaks                how far a continuation walks down n such trees from the anchor,
+                                for every budget at once (the `ddtreeK_streak` metric)
+    tree_attention_visibility   each node sees the context, the anchor, its ancestors and itself,
+                                from `parents` by at most D - 1 hops up the tree
 
-The device twins (issue #28) build the same tree and mask with static shapes and no read back to
-the host, so a GPU decode step can run them inside one compiled graph:
-
-    build_draft_tree_tensors    `build_draft_tree` as a fixed `budget` of argmax pops over a fixed
-                                frontier of 2 * budget + 1 candidates (DraftTreeTensors, padded),
-                                for one block or for n blocks in lockstep
-    tree_streaks                `DraftTree.streak` of n such trees, for every budget at once
-    DraftTree.from_tensors      its result read back into a DraftTree (host paths, tests)
-    tree_attention_visibility   the visible part of `tree_attention_mask`, from `parents` by at
-                                most D - 1 hops up the tree
-
-`build_draft_tree_tensors` is the builder to keep: the static decode step grows one block's tree
-with it, and the `ddtreeK_streak` metric (`scoring`) grows every scored block's with it and walks
-them with `tree_streaks`, so the teacher-forced streak and the end-to-end tree acceptance describe
-the same tree. `build_draft_tree`, the obvious heap, is the reference the tests compare it with
-(the host tree proposer still calls it).
+One builder: the static decode step grows one block's tree with it, and the scorer (`scoring`)
+grows every scored block's and walks them with `tree_streaks`, so the teacher-forced streak and
+the end-to-end tree acceptance describe the same tree. The obvious heap it replaced
+(`build_draft_tree`, with `DraftTree.walk` and the additive tree mask) lives on in
+tests/oracles/trees.py as the reference it is tested against.
 """
 
-import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,91 +27,9 @@ PADDING = -2  # the parent of DraftTreeTensors' padding nodes: neither a node no
 
 
 @dataclass
-class DraftTree:
-    """Nodes in the order they were grown (a parent always comes before its children)."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)  # index of the parent node, ANCHOR for depth 0
-    depths: list[int] = field(default_factory=list)  # drafted slot - 1
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def children(self) -> dict[int, dict[int, int]]:
-        """parent node -> {token: child node}."""
-        table: dict[int, dict[int, int]] = {}
-        for node, (token, parent) in enumerate(zip(self.tokens, self.parents)):
-            table.setdefault(parent, {})[token] = node
-        return table
-
-    def walk(self, token_after) -> tuple[list[int], int | None]:
-        """Follow the tree from the anchor while `token_after(node)` (ANCHOR for the anchor) names a
-        child of the current node. Returns the nodes walked and the token that left the tree
-        (None when `token_after` gave none)."""
-        children, path, node = self.children(), [], ANCHOR
-        while True:
-            token = token_after(node)
-            child = None if token is None else children.get(node, {}).get(token)
-            if child is None:
-                return path, token
-            path.append(child)
-            node = child
-
-    def streak(self, reference: list[int]) -> int:
-        """How many nodes the reference continuation (reference[d] for drafted slot d + 1) walks down."""
-
-        def token_after(node: int) -> int | None:
-            slot = 0 if node == ANCHOR else self.depths[node] + 1
-            return reference[slot] if slot < len(reference) else None
-
-        return len(self.walk(token_after)[0])
-
-    @classmethod
-    def from_tensors(cls, tree: "DraftTreeTensors") -> "DraftTree":
-        """The nodes [0, count) of a device-built tree, read back (this waits for the device)."""
-        count = int(tree.count)
-        return cls(tokens=tree.tokens[:count].tolist(), parents=tree.parents[:count].tolist(),
-                   depths=tree.depths[:count].tolist())
-
-
-def build_draft_tree(logprobs, token_ids, budget: int) -> DraftTree:
-    """The tree of the `budget` most probable drafted prefixes.
-
-    logprobs / token_ids [D][K]: each drafted slot's K best tokens in `ranked_candidates`' order.
-    Growth is best-first over the summed log-probs: each pop adds a node, then offers its next
-    sibling and its first child. Ties follow the DDTree reference (liranringel/ddtree,
-    `build_ddtree_tree`), made deterministic:
-    - candidates: each slot's vocabulary ordered by fp32 logit descending, then token id ascending;
-      a token's rank is its place there;
-    - a prefix's score is the sum of its log-probs in float64;
-    - of equal scores, the prefix whose rank path (r1, r2, ...) is lexicographically smaller pops
-      first. So the tree of budget k is the first k prefixes in (score desc, rank path asc) order,
-      and the top-K candidates serve every budget <= K.
-    """
-    tree = DraftTree()
-    depth, width = len(logprobs), len(logprobs[0]) if len(logprobs) else 0
-    if budget <= 0 or depth == 0:
-        return tree
-    # heap entries: (-score, rank path, parent node, parent score); the path's length - 1 is the depth
-    heap = [(-logprobs[0][0], (0,), ANCHOR, 0.0)]
-    while heap and len(tree) < budget:
-        negative, path, parent, parent_score = heapq.heappop(heap)
-        slot, rank = len(path) - 1, path[-1]
-        node = len(tree)
-        tree.tokens.append(int(token_ids[slot][rank]))
-        tree.parents.append(parent)
-        tree.depths.append(slot)
-        if rank + 1 < width:
-            heapq.heappush(heap, (-(parent_score + logprobs[slot][rank + 1]), path[:-1] + (rank + 1,), parent, parent_score))
-        if slot + 1 < depth:
-            heapq.heappush(heap, (negative - logprobs[slot + 1][0], path + (0,), node, -negative))
-    return tree
-
-
-@dataclass
 class DraftTreeTensors:
-    """A draft tree as device tensors of a fixed length, `budget`: nodes [0, count) are
-    `build_draft_tree`'s nodes in its order; the rest are padding (token 0, parent PADDING,
+    """A draft tree as device tensors of a fixed length, `budget`: nodes [0, count) in the order
+    they were grown (a parent before its children); the rest are padding (token 0, parent PADDING,
     depth -1), which no walk enters and no node of the tree sees. A batch of n trees has a leading
     [n] on every field (fields [n, budget], count [n])."""
 
@@ -189,20 +98,28 @@ SCORE, PARENT_SCORE = 0, 1
 
 
 def build_draft_tree_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int, *, place: torch.Tensor | None = None) -> DraftTreeTensors:
-    """`build_draft_tree` on the device, for one block or n blocks at once: for every block the same
-    nodes in the same order (same float64 sums, same tie order), with static shapes and no read
-    back to the host.
+    """The DDTree of the `budget` most probable drafted prefixes, for one block or n blocks at once,
+    with static shapes and no read back to the host.
+
+    Growth is best-first over the summed log-probs: each pop adds a node, then offers its next
+    sibling and its first child. Ties follow the DDTree reference (liranringel/ddtree), made
+    deterministic: each slot's candidates are ordered by fp32 logit descending, then token id
+    ascending (`ranked_candidates`), a candidate's rank is its place there; a prefix's score is
+    the sum of its log-probs in float64; of equal scores the prefix whose rank path (r1, r2, ...)
+    is lexicographically smaller pops first. So the tree of budget k is the first k prefixes in
+    (score desc, rank path asc) order, and the top-K candidates serve every budget <= K. The
+    obvious heap of the same rules (tests/oracles/trees.py) is what the tests compare it with.
 
     logprobs / token_ids [D, K] (one block: DraftTreeTensors of [budget] fields) or [n, D, K]
     (fields [n, budget], count [n]), on any device, each slot's K best tokens in
-    `ranked_candidates`' order. The host heap pops at most `budget` times and each pop offers at
+    `ranked_candidates`' order. Growth pops at most `budget` times and each pop offers at
     most two candidates (the next sibling and the first child), so a frontier of 2 * budget + 1
     rows per block holds every candidate ever offered: row 0 the root, rows 2t + 1 and 2t + 2 the
     t-th pop's offers. Each of the `budget` iterations (a Python loop over a fixed int: it unrolls
     under torch.compile) takes, in every block at once, the open row of the highest score, of those
     the smallest rank path (`RankPathKeys`), and closes it. Once a block has no open row its
     remaining iterations write padding. Log-probs may be -inf (such candidates tie and go by rank
-    path, as on the host), not NaN. `place`: the `RankPathKeys.place_values` of these sizes, made
+    path), not NaN. `place`: the `RankPathKeys.place_values` of these sizes, made
     beforehand by a caller whose step is captured as a CUDA graph (a capture cannot copy from the
     host).
     """
@@ -301,7 +218,7 @@ def first_rank_path(path_keys: torch.Tensor, candidates: torch.Tensor) -> torch.
 
 
 def tree_streaks(tree: DraftTreeTensors, reference: torch.Tensor, reference_length: torch.Tensor, budgets) -> dict[int, torch.Tensor]:
-    """`DraftTree.streak` of n trees for every budget: {budget: int64 [n]}, how many nodes of the
+    """The DDTree streak of n trees for every budget: {budget: int64 [n]}, how many nodes of the
     tree of that budget (its first `budget` nodes in build order) the reference walks down from
     the anchor.
 
@@ -310,8 +227,8 @@ def tree_streaks(tree: DraftTreeTensors, reference: torch.Tensor, reference_leng
     reference [n, >= D]: each block's reference token per drafted slot, of which the first
     reference_length [n] count. A node is on the walk when its depth is below the reference
     length, its token is the reference's at its depth, and its parent is the anchor or on the walk;
-    with token ids distinct within a slot (as any top-K's are) that is the path `DraftTree.walk`
-    follows. No read back to the host.
+    with token ids distinct within a slot (as any top-K's are) that is the one path a walk down
+    the tree follows (tests/oracles' `DraftTree.walk`). No read back to the host.
     """
     tokens, parents, depths = tree.tokens, tree.parents, tree.depths
     blocks, size = tokens.shape
@@ -391,28 +308,8 @@ def ranked_candidates_on_device(logits: torch.Tensor, width: int) -> tuple[torch
     return values - lse, ids
 
 
-def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The additive attention mask [1, 1, 1 + n, past + 1 + n] of one verify forward over
-    [anchor, node 0, ..., node n-1] after `past` cached positions: every row sees the cache and the
-    anchor; a node also sees its ancestors and itself, never a sibling's branch."""
-    n = len(tree)
-    visible = torch.zeros(1 + n, past + 1 + n, dtype=torch.bool)
-    visible[:, : past + 1] = True
-    for node, parent in enumerate(tree.parents):
-        if parent != ANCHOR:
-            visible[1 + node] = visible[1 + parent]
-        visible[1 + node, past + 1 + node] = True
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
-
-
-def tree_positions(tree: DraftTree, past: int) -> list[int]:
-    """Position ids of [anchor, nodes...]: a node sits at anchor + its depth + 1."""
-    return [past] + [past + 1 + depth for depth in tree.depths]
-
-
 def tree_attention_visibility(parents: torch.Tensor, past: int, max_depth: int) -> torch.Tensor:
-    """The visible part of `tree_attention_mask` on the device: bool [1 + n, past + 1 + n] over
+    """Which keys each row of a tree's verify forward sees, on the device: bool [1 + n, past + 1 + n] over
     rows [anchor, node 0, ..., node n-1] and columns [cache, anchor, nodes], from parents [n]
     (a DraftTreeTensors' or any tree's: ANCHOR for depth 0) with no read back. Every row sees the
     cache and the anchor; a node also sees its ancestors and itself. A padding node (parent PADDING)
