@@ -269,7 +269,8 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
     static step (`static_speculation`), for plain decoding, the chain and a DDTree of 8, with
     whether their answers agree."""
     from dflash_pipeline.decoding.session import open_session
-    from dflash_pipeline.decoding.static_speculation import Speculation, static_plain_decode
+    from dflash_pipeline.decoding.loop import static_plain_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation
     from dflash_pipeline.target.load import LayerTap
     from oracles.decoding import host_greedy_decode, host_speculative_decode
     from oracles.drafting import drafter_proposer, tree_proposer

@@ -7,7 +7,7 @@ The chosen drafter (data/eval/best.json) decodes the same val prompts on both en
   host     tests/oracles' `host_greedy_decode` / `host_speculative_decode`: transformers' forward
            and DynamicCache, acceptance read back every step (the loops the engine replaced, kept
            as the references it is tested against)
-  static   `static_speculation.static_plain_decode` / `Speculation.decode`: static KV,
+  static   `loop.static_plain_decode` / `Speculation.decode`: static KV,
            a step drafted, verified and accepted on the device (`static-kv`)
 in three modes: plain greedy, the greedy chain (all B-1 tokens) and the greedy DDTree. Each
 (mode, prompt) runs host and static back to back, alternating which goes first, for `--rounds`
@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, tree_budget, rounds, json_path):
     import torch
 
-    from dflash_pipeline.decoding.static_speculation import Speculation, static_plain_decode
+    from dflash_pipeline.decoding.loop import static_plain_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation
     from dflash_pipeline.devices import machine_description
     from dflash_pipeline.target.load import LayerTap
 

@@ -15,7 +15,7 @@ PACKAGE = REPO_ROOT / "src" / "dflash_pipeline"
 # (and, within its own layer, only where the table's order allows: earlier entries first).
 LAYERS = [
     ["errors", "files", "tensor_files", "config", "devices", "runtime", "stats", "progress"],
-    ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "decoding.sampling", "decoding.trees", "decoding.static_decoder", "decoding.graphs", "decoding.modes",
+    ["data.prompts", "data.shards", "target.folder", "target.embedded", "target.load", "decoding.sampling", "decoding.trees", "decoding.static_decoder", "decoding.graphs", "decoding.loop", "decoding.modes",
      "evaluate.record", "drafters.family", "drafters.core", "drafters.architecture", "drafters.dflash", "drafters.dflash2",
      "drafters.serving", "decoding.static_speculation"],
     ["data.blocks", "drafters.checkpoints", "drafters.build", "decoding.engine", "decoding.session", "evaluate.scoring", "train.loss",

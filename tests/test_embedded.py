@@ -183,7 +183,8 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
     host loop's steps (issue #28)."""
     import torch
 
-    from dflash_pipeline.decoding.static_speculation import Speculation, static_plain_decode
+    from dflash_pipeline.decoding.loop import static_plain_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation
     from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
     from dflash_pipeline.target.load import LayerTap, TargetHead, load_target
     from oracles.decoding import host_greedy_decode, host_speculative_decode

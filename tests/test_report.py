@@ -363,9 +363,14 @@ def test_the_best_mode_is_the_fastest_lossless_greedy_mode():
     decoding = evaluation.candidate("zlab").decoding  # every greedy mode of the baseline is lossless
     # a CPU where the chain is break-even and a small tree pays (the 2-core EPYC)
     chain, trees = with_speedups(decoding, 0.97, tree4=1.08, tree8=1.02)
-    best = choose_decoding_mode(chain, trees, machine="cpu on EPYC")
+    best = choose_decoding_mode(chain, trees, machine="cpu on EPYC", engine="static-kv")
     assert (best.mode, best.speedup, best.decoding_mode.tree_budget, best.decoding_mode.verify_tokens) == ("tree4", 1.08, 4, None)
-    assert (best.tau, best.lossless_rate, best.machine) == (trees[4].tau, 1.0, "cpu on EPYC")
+    assert (best.tau, best.lossless_rate, best.machine, best.engine) == (trees[4].tau, 1.0, "cpu on EPYC", "static-kv")
+    # the record names the engine it was measured on, and reads back the same (best.json, the export's provenance)
+    from dflash_pipeline.evaluate.record import BestMode
+    from dflash_pipeline.evaluate.report import best_mode_figures
+
+    assert best_mode_figures(best)["engine"] == "static-kv" and BestMode.from_json(best_mode_figures(best), "best.json") == best
     assert best.speedups == {"chain": 0.97, "tree4": 1.08, "tree8": 1.02} and best.refused == {}
     # where the chain pays best it wins, at its verify length
     chain, trees = with_speedups(decoding, 1.4, tree4=1.29, tree8=1.2)

@@ -13,7 +13,8 @@ import torch
 
 import dflash_pipeline.decoding.static_speculation as static
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms
-from dflash_pipeline.decoding.static_speculation import Speculation, accept_greedy, static_plain_decode
+from dflash_pipeline.decoding.loop import static_plain_decode
+from dflash_pipeline.decoding.static_speculation import Speculation, accept_greedy
 from dflash_pipeline.decoding.trees import PADDING, ranked_candidates, ranked_candidates_on_device
 from oracles.decoding import host_greedy_decode, host_speculative_decode
 from oracles.drafting import drafter_proposer, tree_proposer, verified_prefix

@@ -552,7 +552,7 @@ def choose_generate_mode(*, drafter_dir: Path, kind: str, block_size: int, tree_
     mode = evaluated.decoding_mode
     others = ", ".join(f"{name} {rate(value)}" for name, value in evaluated.speedups.items() if name != mode.name)
     line = (f"mode: {mode.describe(block_size)}: evaluate measured {rate(evaluated.speedup)}"
-            f"{' vs ' + others if others else ''} on {evaluated.machine} ({where})")
+            f"{' vs ' + others if others else ''} on {evaluated.machine}{', engine ' + evaluated.engine if evaluated.engine else ''} ({where})")
     if evaluated.machine != machine:
         line += f"; this is {machine}, where another mode may pay better (--tree-budget, --verify-tokens)"
     return mode, line
@@ -602,6 +602,7 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     """
     from dflash_pipeline.data.prompts import Prompt
     from dflash_pipeline.decoding.sampling import Sampling
+    from dflash_pipeline.decoding.engine import speculation_engine
     from dflash_pipeline.decoding.session import open_session
     from dflash_pipeline.evaluate.run import load_candidates
     from dflash_pipeline.generate import render_prompt
@@ -648,7 +649,7 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
     click.echo()
     steps = sum(run.steps) / len(run.steps) if run.steps else 1.0
     mode = ("greedy" if tree_budget is None else f"greedy, tree of {tree_budget}") if sampling is None else f"T={temperature}, {rule} rule"
-    click.echo(f"speculative ({mode}): {len(run.tokens)} tokens, {steps:.2f} tokens per step, {len(run.tokens) / run.seconds:.1f} tokens/s")
+    click.echo(f"speculative ({mode}): {len(run.tokens)} tokens, {steps:.2f} tokens per step, {len(run.tokens) / run.seconds:.1f} tokens/s on the {speculation_engine(session.model)} engine")
     if compare:
         plain = session.plain(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling)
         rate = len(plain.tokens) / plain.seconds

@@ -74,10 +74,9 @@ def decoding_engine(model) -> str:
     written columns only on a CPU (where it measured 1.09x transformers' loop, identical answers:
     bench/generate.py --engines). A target it cannot serve is refused in one line
     (`static_decoder.check_servable`), never sent down another path."""
-    from dflash_pipeline.decoding.static_decoder import check_servable
+    from dflash_pipeline.decoding.loop import engine_name
 
-    check_servable(model)
-    return "static-kv-cuda-graph" if next(model.parameters()).device.type == "cuda" else "static-kv"
+    return engine_name(model)
 
 
 def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, on_step=None) -> list[Answer]:
@@ -100,87 +99,40 @@ def left_padded(prompts: list[list[int]], pad_id: int):
     return input_ids, valid
 
 
-class BatchStep:
-    """One decode step of the whole batch as a phase without arguments (`graphs.PhaseRunner`): it
-    reads `tokens` and leaves `logits`, both tensors that stay where they are."""
-
-    def __init__(self, decoder):
-        import torch
-
-        self.decoder = decoder
-        self.tokens = torch.zeros(decoder.batch, dtype=torch.long, device=decoder.device)
-        self.logits = None
-
-    def step(self) -> None:
-        self.logits = self.decoder.step(self.tokens)
-
-    def phases(self):
-        return (self.step,)
-
-    def graph_state(self):
-        """The bookkeeping a warm-up step moves: which columns hold what (the columns it wrote are overwritten later)."""
-        return [self.decoder.valid, self.decoder.positions, self.decoder.column]
-
-    def keep_rows(self, rows) -> None:
-        self.decoder.keep_rows(rows)
-        self.tokens = self.tokens[rows]
-
-
 def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                            on_step=None, read_every: int | None = None) -> list[Answer]:
-    """Tokens and ends are kept on the device and the host reads which rows ended every
-    `read_every` steps (`devices.default_read_every`: 16 on a GPU, every step on a CPU, where a
-    read costs nothing). On a GPU the batch stays whole (an ended row steps on padding: free while a
-    step is bound by latency, and the replayed CUDA graph keeps its shapes); on a CPU, where a
-    step costs in proportion to its rows, the rows that ended leave the batch at each read."""
+    """The engine's plain step over the whole batch (`decoding.loop.PlainStep`, the step
+    evaluate's plain baseline takes at one row), driven by its loop (`run_steps`). Tokens and ends
+    stay on the device and the host reads which rows ended every `read_every` steps
+    (`devices.default_read_every`: 16 on a GPU, every step on a CPU, where a read costs nothing).
+    On a GPU the batch stays whole (an ended row steps on: free while a step is bound by latency,
+    and the replayed CUDA graph keeps its shapes); on a CPU, where a step costs in proportion to
+    its rows, the rows that ended leave the batch at each read."""
     import torch
 
     from dflash_pipeline.decoding.graphs import PhaseRunner
-    from dflash_pipeline.decoding.static_decoder import StaticDecoder
+    from dflash_pipeline.decoding.loop import PlainStep, run_steps
     from dflash_pipeline.devices import default_read_every
 
     device = next(model.parameters()).device
     input_ids, valid = left_padded(prompts, pad_id)
     batch, width = input_ids.shape
-    decoder = StaticDecoder(model, batch=batch, length=width + max_new_tokens)
-    tokens = decoder.prefill(input_ids.to(device), valid.to(device)).argmax(-1)
-    step = BatchStep(decoder)
+    step = PlainStep(model, batch=batch, capacity=width, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     runner = PhaseRunner(step.phases(), state=step.graph_state(), device=device)
-    (run_step,) = runner.phases
-    graphed = runner.graphed
-    read_every = read_every or default_read_every(device)
-    eos = torch.tensor(sorted(eos_ids), device=device)
-    out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    rows = torch.arange(batch, device=device)  # the prompt each batch row answers
-    ended = torch.zeros(batch, dtype=torch.bool, device=device)
-    produced = torch.zeros((), dtype=torch.long, device=device)  # answer tokens so far (a row's EOS included)
-    reported_tokens = reported_rows = 0
+    step.prefill_rows(input_ids.to(device), valid.to(device))
+    reported = [0, 0]  # answer tokens (a row's EOS included) and rows ended, as last reported
+
+    def on_read() -> None:  # after each read of the step's state
+        tokens, rows_ended = step.tokens_made, step.prompts_ended
+        if on_step is not None:
+            on_step(tokens - reported[0], rows_ended - reported[1])
+        reported[:] = tokens, rows_ended
+        if not runner.graphed:
+            step.keep_live_rows()
+
     with torch.no_grad():
-        for t in range(max_new_tokens):
-            produced += (~ended).sum()
-            out[rows, t] = torch.where(ended, pad_id, tokens)
-            ended |= torch.isin(tokens, eos)
-            last = t + 1 == max_new_tokens
-            if last or (t + 1) % read_every == 0:
-                tokens_so_far, *still = torch.cat([produced.view(1), (~ended).long()]).tolist()  # the one read
-                rows_ended = batch if last else batch - rows.shape[0] + (len(still) - sum(still))
-                if on_step is not None:
-                    on_step(tokens_so_far - reported_tokens, rows_ended - reported_rows)
-                reported_tokens, reported_rows = tokens_so_far, rows_ended
-                if rows_ended == batch:
-                    break
-                if not graphed and not all(still):
-                    keep = torch.tensor([row for row, alive in enumerate(still) if alive], device=device)
-                    step.keep_rows(keep)
-                    rows, tokens, ended = rows[keep], tokens[keep], ended[keep]
-            step.tokens.copy_(torch.where(ended, pad_id, tokens))
-            run_step()
-            tokens = step.logits.argmax(-1)
-    answers = []
-    for ids in out.tolist():
-        stop = next((i for i, token in enumerate(ids) if token in eos_ids), None)
-        answers.append(Answer(ids[: stop + 1], "stop") if stop is not None else Answer(ids, "length"))
-    return answers
+        run_steps(step, runner=runner, read_every=read_every or default_read_every(device), on_read=on_read, read_first=False)
+    return [Answer(tokens, "stop" if stopped else "length") for tokens, stopped in step.answers()]
 
 
 def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtype: str, engine: str) -> dict:

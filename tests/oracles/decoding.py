@@ -21,7 +21,8 @@ import torch
 
 from dflash_pipeline.decoding.sampling import Sampling, draw, verify_chain
 from dflash_pipeline.decoding.static_decoder import cache_argument
-from dflash_pipeline.decoding.static_speculation import DecodeRun, stored_features as as_stored
+from dflash_pipeline.decoding.loop import DecodeRun
+from dflash_pipeline.decoding.static_speculation import stored_features as as_stored
 from dflash_pipeline.devices import autocast, synchronize, timed
 from dflash_pipeline.drafters.core import DFlashDrafter
 from oracles.drafting import DraftCache, Proposal

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_pipeline.decoding.loop import DecodeRun, engine_name, static_plain_decode
 from dflash_pipeline.decoding.sampling import Sampling
-from dflash_pipeline.decoding.static_decoder import check_servable
-from dflash_pipeline.decoding.static_speculation import DecodeRun, Speculation, static_forward_costs, static_plain_decode
+from dflash_pipeline.decoding.static_speculation import Speculation, static_forward_costs
 from dflash_pipeline.evaluate.record import EndToEnd, Interval, Mismatch, TimeSplit
 from dflash_pipeline.progress import progress_iter
 from dflash_pipeline.stats import mean_ci95
@@ -33,15 +33,10 @@ from dflash_pipeline.stats import mean_ci95
 # ----------------------------------------------------------------------------- decoding
 
 
-STATIC_ENGINE = "static-kv"  # `static_speculation`: static KV, whole steps on the device
-
-
 def speculation_engine(model) -> str:
-    """The engine that decodes one prompt at a time with this target (evaluate's end-to-end runs,
-    its plain baseline, the `generate` command), as records name it: the static step. A target
-    it cannot serve is refused in one line (`static_decoder.check_servable`)."""
-    check_servable(model)
-    return STATIC_ENGINE
+    """The engine that decodes with this target, as records name it (`loop.engine_name`:
+    "static-kv", "static-kv-cuda-graph" on a GPU); a target it cannot serve is refused in one line."""
+    return engine_name(model)
 
 
 def greedy_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,

@@ -1,7 +1,7 @@
 """The one CUDA-graph runner: a decode step's phases captured once and replayed.
 
-A decode step on static buffers (`static_decoder.StaticDecoder.step` in the generate stage's
-batch loop, the three phases of `static_speculation.SpeculativeStep`, `PlainStep`) launches
+A decode step on static buffers (`loop.PlainStep`, for one row or the generate
+stage's batch, and the three phases of `SpeculativeStep`) launches
 hundreds to thousands of small kernels; replaying each phase as one CUDA graph turns them into
 one launch. Every user goes through `PhaseRunner`:
 

@@ -1,10 +1,10 @@
-"""Speculative decoding on static buffers: a whole step drafted, verified and accepted on the device.
+"""The engine's steps on static buffers: a whole decode step kept on the device.
 
-`engine.speculative_decode` reads the device about five times per step (the drafted tokens, the
-target's choices, the accepted count), builds a DDTree in Python, grows its caches by
-concatenation and keeps a tree's path with one tensor per layer: on an H200 that made a step cost
-tens of milliseconds of host work. Here every tensor a step touches is preallocated and every
-decision stays on the device:
+The host loops this replaced (tests/oracles/decoding.py) read the device about five times per
+step (the drafted tokens, the target's choices, the accepted count), built a DDTree in Python,
+grew their caches by concatenation and kept a tree's path with one tensor per layer: on an H200
+that made a step cost tens of milliseconds of host work. Here every tensor a step touches is
+preallocated and every decision stays on the device:
 
     StaticDraftCache   the drafter's context keys/values [layers, length, kv heads, head dim],
                        written at device-side columns; attention masks what lies past the context
@@ -17,14 +17,14 @@ decision stays on the device:
                          extend  the tree's path moved into place in the target cache (one gather
                                  for all layers), the committed features into the drafter's cache,
                                  the answer, the counters and the end flag
-    PlainStep          the target alone on the same static cache (evaluate's baseline)
-    static_speculative_decode / static_plain_decode
-                       the loops: the host reads (ended, tokens made) once every `read_every`
-                       steps, and the answer once at the end
+    Speculation        one drafter's mode (a chain of `verify_tokens`, or a DDTree of `tree_budget`
+                       nodes); `decode` runs one prompt on a step kept per mode and reused across
+                       prompts, through the engine's one loop (`loop.run_steps`, which also drives
+                       the plain step, `loop.PlainStep`)
 
 A chain is a tree whose node i hangs under node i - 1, so one verify and one acceptance serve
 both. Committing never crops: a position past the committed length is masked, and the next step
-overwrites it. Once the answer has ended, steps still run until the next read, but change nothing
+overwrites it. Once an answer has ended, steps still run until the next read, but change nothing
 that is read (`ended` freezes every counter).
 
 Sampling (T > 0, chains) draws by inverting CDFs at uniforms the step takes as an input, filled by
@@ -37,17 +37,16 @@ of the module has not yet run on a GPU.
 """
 
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from dflash_pipeline.decoding.loop import StepRecord, cached_step, run_prompt
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
-from dflash_pipeline.decoding.graphs import PhaseRunner
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.decoding.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
                                              tree_attention_visibility)
-from dflash_pipeline.devices import READ_EVERY, bf16_by_default, default_read_every, synchronize
+from dflash_pipeline.devices import READ_EVERY, bf16_by_default, synchronize
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
 
 def _autocast(device: torch.device, enabled: bool):
@@ -107,28 +106,6 @@ def stored_features(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
     return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
 
 
-@dataclass
-class DecodeRun:
-    """One prompt decoded: its answer, times, and each speculative step's size (either loop's)."""
-
-    tokens: list[int]
-    seconds: float
-    prefill_seconds: float
-    steps: list[int] = field(default_factory=list)  # tau of each speculative step (accepted + bonus)
-    verify_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    drafted: int = 0  # drafted tokens verified (chain tokens or tree nodes), over all steps
-
-
-@dataclass
-class StepRecord:
-    """What the host reads after a decode: the answer and each step's size."""
-
-    tokens: list[int]
-    steps: list[int]  # tokens committed by each step (accepted + bonus)
-    drafted: int  # drafted tokens (chain tokens or real tree nodes) verified, over all steps
-
-
 def accept_greedy(choice: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, depth: int):
     """The longest drafted path the target's argmax agrees with, on the device.
 
@@ -177,7 +154,7 @@ def accept_sampled(p: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None
 
 
 class _Loop:
-    """The bookkeeping both loops share: the answer buffer, counters and the end flag, all on the device."""
+    """The speculative step's bookkeeping of one answer: its buffer, counters and end flag, all on the device."""
 
     def _allocate_answer(self, max_new_tokens: int, per_step: int, eos_ids: set[int]) -> None:
         device = self.device
@@ -231,6 +208,10 @@ class _Loop:
     def read_state(self) -> tuple[bool, int]:
         ended, count = torch.stack([self.ended.long(), self.count]).tolist()  # the one read between steps
         return bool(ended), count
+
+    def answer_tokens(self, start: int, stop: int) -> list[int]:
+        """Answer tokens start..stop (what streaming shows)."""
+        return self.answer[start : min(stop, self.max_new_tokens)].tolist()
 
     def record(self) -> StepRecord:
         count, steps, *rest = torch.cat([self.count.view(1), self.step_number.view(1), self.answer]).tolist()
@@ -395,145 +376,6 @@ class SpeculativeStep(_Loop):
         return super().graph_state() + [self.start, self.anchor]
 
 
-class PlainStep(_Loop):
-    """The target alone over the same static cache, batch 1: evaluate's plain decoding baseline."""
-
-    def __init__(self, model, *, capacity: int, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None):
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.sampling = sampling
-        self.capacity = capacity
-        self.target = StaticDecoder(model, batch=1, length=capacity + max_new_tokens + 2)
-        self._allocate_answer(max_new_tokens, 1, eos_ids)
-        self.eos_set = set(eos_ids)
-        self.token = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.uniforms = torch.zeros(1, device=self.device)
-
-    @torch.no_grad()
-    def prefill(self, prompt_ids: list[int], generator: torch.Generator | None = None, max_new_tokens: int | None = None) -> None:
-        if len(prompt_ids) > self.capacity:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens is longer than this step's capacity {self.capacity}")
-        ids = torch.tensor([prompt_ids], device=self.device)
-        logits = self.target.prefill(ids, torch.ones_like(ids, dtype=torch.bool))
-        if self.sampling is not None:
-            self.uniforms.uniform_(generator=generator)
-        self.token.copy_(self._next(logits))
-        self._start_answer(self.token, max_new_tokens or self.answer_capacity)
-
-    def _next(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.sampling is None:
-            return logits.argmax(-1)
-        sampling = self.sampling
-        probs = sampling_probs(logits, sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-        return draw_with_uniforms(probs, self.uniforms)
-
-    def step(self) -> None:
-        with torch.no_grad():
-            token = self._next(self.target.step(self.token))
-            advance = self._commit(token, torch.ones((), dtype=torch.long, device=self.device), torch.zeros((), dtype=torch.long, device=self.device))
-            self.token.copy_(torch.where(advance > 0, token, self.token))
-
-    def phases(self):
-        return (self.step,)
-
-    def graph_state(self) -> list[torch.Tensor]:
-        return super().graph_state() + [self.token]
-
-
-class PhaseClock:
-    """Seconds spent in each phase over many steps: CUDA events (no wait until `totals`) on a GPU,
-    the wall clock on a CPU (where each phase has finished when its call returns)."""
-
-    def __init__(self, device: torch.device, phases: int):
-        self.cuda = device.type == "cuda"
-        self.phases = phases
-        self.marks: list = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def totals(self) -> list[float]:
-        """Seconds per phase, summed over the steps (the marks of each step: before each phase and after the last)."""
-        totals = [0.0] * self.phases
-        per_step = self.phases + 1
-        for first in range(0, len(self.marks) - per_step + 1, per_step):
-            for phase in range(self.phases):
-                a, b = self.marks[first + phase], self.marks[first + phase + 1]
-                totals[phase] += a.elapsed_time(b) / 1000 if self.cuda else b - a
-        return totals
-
-
-def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None) -> list[float]:
-    """Steps until the answer has ended; the host reads (ended, tokens made) once every `read_every`
-    steps, sooner when the length cap could come first (a step commits at least one token).
-    `on_tokens(list)` sees the answer's new tokens at each read. Returns each phase's seconds."""
-    phases = runner.phases
-    clock = PhaseClock(step.device, len(phases))
-    ended, count = step.read_state()
-    shown, stopped = 0, False
-    while True:
-        if on_tokens is not None and count > shown and not stopped:
-            made = step.answer[shown : min(count, step.max_new_tokens)].tolist()
-            stop = next((i for i, token in enumerate(made) if token in step.eos_set), None)
-            stopped = stop is not None
-            on_tokens(made if stop is None else made[: stop + 1])
-            shown = count
-        if ended:
-            return clock.totals()
-        for _ in range(max(1, min(read_every, step.max_new_tokens - count))):
-            if step.sampling is not None:
-                step.uniforms.uniform_(generator=step.generator)
-            clock.mark()
-            for phase in phases:
-                phase()
-                clock.mark()
-        ended, count = step.read_state()
-
-
-# ----------------------------------------------------------------------------- the decode loops
-
-# Steps are kept per owner (the target model for plain decoding, a `Speculation` for a
-# drafter's mode) and reused across prompts: allocating the caches and capturing the graphs is
-# paid once. Prompt capacity grows in multiples of CAPACITY_STEP.
-CAPACITY_STEP = 256
-_STEPS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-
-
-def _cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, build):
-    steps = _STEPS.setdefault(owner, {})
-    entry = steps.get(key)
-    if entry is None or entry[0].capacity < prompt_length or entry[0].answer_capacity < max_new_tokens:
-        def rounded(n):
-            return -(-max(n, 1) // CAPACITY_STEP) * CAPACITY_STEP
-
-        old = entry[0] if entry is not None else None
-        step = build(rounded(max(prompt_length, old.capacity if old else 0)), rounded(max(max_new_tokens, old.answer_capacity if old else 0)))
-        entry = steps[key] = (step, PhaseRunner(step.phases(), state=step.graph_state(), device=step.device))
-    return entry
-
-
-def _run(step, runner: PhaseRunner, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None, on_tokens, read_every: int | None):
-    device = step.device
-    step.generator = torch.Generator(device=device).manual_seed(sampling.seed) if sampling is not None else None
-    synchronize(device)
-    started = time.perf_counter()
-    step.prefill(prompt_ids, step.generator, max_new_tokens)
-    synchronize(device)
-    prefilled = time.perf_counter()
-    totals = run_steps(step, runner=runner, read_every=read_every or default_read_every(device), on_tokens=on_tokens)
-    record = step.record()
-    seconds = time.perf_counter() - started
-    run = DecodeRun(tokens=record.tokens, seconds=seconds, prefill_seconds=prefilled - started, steps=record.steps, drafted=record.drafted)
-    if len(totals) == 3:  # draft, verify, extend: extending the drafter's context counts as drafting, as in the host loop
-        run.draft_seconds, run.verify_seconds = totals[0] + totals[2], totals[1]
-    return run
-
-
 @dataclass(frozen=True, eq=False)
 class Speculation:
     """One drafter's decoding mode on the static step: a chain of `verify_tokens` (None: B-1), or a
@@ -557,22 +399,8 @@ class Speculation:
                                    tree_budget=self.tree_budget, verify_tokens=self.verify_tokens, sampling=sampling,
                                    feature_dtype=feature_dtype, bf16=bf16)
 
-        step, runner = _cached_step(self, key, len(prompt_ids), max_new_tokens, build)
-        return _run(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
-
-
-@torch.inference_mode(False)
-def static_plain_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
-                        on_tokens=None, read_every: int | None = None):
-    """`engine.greedy_decode` (or sampled) of one prompt on the static cache, batch 1 (a `DecodeRun`)."""
-    sampling_key = None if sampling is None else (sampling.temperature, sampling.top_k, sampling.top_p)
-    key = (tuple(sorted(eos_ids)), sampling_key)
-
-    def build(capacity, answer_capacity):
-        return PlainStep(model, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids, sampling=sampling)
-
-    step, runner = _cached_step(model, key, len(prompt_ids), max_new_tokens, build)
-    return _run(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
+        step, runner = cached_step(self, key, len(prompt_ids), max_new_tokens, build)
+        return run_prompt(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
 
 
 @torch.inference_mode(False)

@@ -110,6 +110,7 @@ class BestMode:
     speedups: dict[str, float | None] = field(default_factory=dict)  # every greedy mode measured, by mode name
     refused: dict[str, str] = field(default_factory=dict)  # mode name -> why it could not win
     machine: str = ""  # the device and machine in words ("cpu on AMD EPYC 7B13, 2 CPUs")
+    engine: str = ""  # the decoding engine it was measured on (`engine.speculation_engine`: "static-kv", "static-kv-cuda-graph")
 
     @property
     def mode(self) -> str | None:
@@ -129,7 +130,7 @@ class BestMode:
         tau = Interval(section["tau"], section.get("tau_ci95")) if isinstance(section.get("tau"), (int, float)) else None
         return cls(decoding_mode=mode, speedup=section.get("speedup"), tau=tau, lossless_rate=section.get("lossless_rate"),
                    speedups=dict(section.get("speedups") or {}), refused=dict(section.get("refused") or {}),
-                   machine=str(section.get("machine") or "an unrecorded machine"))
+                   machine=str(section.get("machine") or "an unrecorded machine"), engine=str(section.get("engine") or ""))
 
 
 @dataclass(frozen=True)

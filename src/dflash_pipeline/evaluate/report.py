@@ -134,7 +134,7 @@ def best_mode_figures(best: BestMode) -> dict:
     mode = best.decoding_mode.as_dict() if best.decoding_mode is not None else {"mode": None, "verify_tokens": None, "tree_budget": None}
     return {"mode": mode["mode"], "speedup": best.speedup, "tau": tau, "tau_ci95": tau_ci95, "lossless_rate": best.lossless_rate,
             "verify_tokens": mode["verify_tokens"], "tree_budget": mode["tree_budget"], "speedups": dict(best.speedups),
-            "refused": dict(best.refused), "machine": best.machine}
+            "refused": dict(best.refused), "machine": best.machine, "engine": best.engine}
 
 
 def _flat_row(figures: dict, prefix: str = "") -> dict:

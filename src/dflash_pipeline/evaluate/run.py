@@ -213,7 +213,7 @@ def choose_and_pair(records: list[CandidateRecord], blocks: dict[str, BlockScore
     return Evaluation(candidates=paired, chosen=chosen, teacher_forced_seconds=teacher_forced_seconds)
 
 
-def choose_decoding_mode(chain: EndToEnd, trees: dict[int, EndToEnd], *, machine: str = "") -> BestMode:
+def choose_decoding_mode(chain: EndToEnd, trees: dict[int, EndToEnd], *, machine: str = "", engine: str = "") -> BestMode:
     """The greedy mode with the highest measured speedup: the chain (at its verify length) or a tree
     of one of `trees`' node budgets.
 
@@ -240,10 +240,11 @@ def choose_decoding_mode(chain: EndToEnd, trees: dict[int, EndToEnd], *, machine
     speedups = {mode.name: run.speedup for mode, run in modes}
     eligible = [(mode, run) for mode, run in modes if mode.name not in refused]
     if not eligible:
-        return BestMode(decoding_mode=None, speedup=None, tau=None, lossless_rate=None, speedups=speedups, refused=refused, machine=machine)
+        return BestMode(decoding_mode=None, speedup=None, tau=None, lossless_rate=None, speedups=speedups, refused=refused, machine=machine,
+                        engine=engine)
     mode, run = max(eligible, key=lambda item: item[1].speedup)  # max keeps the first of equals: the chain, then smaller trees
     return BestMode(decoding_mode=mode, speedup=run.speedup, tau=run.tau, lossless_rate=run.lossless_rate, speedups=speedups,
-                    refused=refused, machine=machine)
+                    refused=refused, machine=machine, engine=engine)
 
 
 def describe_best_mode(best: BestMode | None) -> str:
@@ -258,12 +259,12 @@ def describe_best_mode(best: BestMode | None) -> str:
 
 
 def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[float, list[EndToEndPrompt]], *, tree_budgets: list[int],
-                       verify_tokens: int, plan: VerifyPlan | None = None, machine: str = "") -> Decoding:
+                       verify_tokens: int, plan: VerifyPlan | None = None, machine: str = "", engine: str = "") -> Decoding:
     """One drafter's end-to-end record from the runs of `decode_end_to_end`: its greedy chain
     (`name`, verifying `verify_tokens` per step, as `plan` chose when it did), its greedy trees
     (`name/tree<budget>`), its sampled chains (`name` in `sampled[temperature]`; samples part
     from plain sampling by design, so they carry no lossless check) and the best greedy mode
-    (`choose_decoding_mode`, measured on `machine`)."""
+    (`choose_decoding_mode`, measured on `machine` with `engine`)."""
     chain = replace(summarize_end_to_end(greedy, name), verify_tokens=verify_tokens)
     if plan is not None:
         figures = plan.as_dict()
@@ -273,7 +274,7 @@ def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[fl
     return Decoding(chain=chain, trees=trees,
                     sampled={temperature: replace(summarize_end_to_end(runs, name), lossless_rate=None, mismatches=[])
                              for temperature, runs in sorted(sampled.items())},
-                    best=choose_decoding_mode(chain, trees, machine=machine))
+                    best=choose_decoding_mode(chain, trees, machine=machine, engine=engine), engine=engine)
 
 
 def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, target, layer_ids: list[int], feature_dtype: str,
@@ -314,8 +315,8 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         sampled[temperature] = end_to_end(model, chains, prompts, sampling=sampling, **common)
     machine = f"{device} on {machine_description()}"  # which mode pays depends on it
     engine = speculation_engine(model)
-    return {name: replace(summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
-                                             plan=plans.get(name), machine=machine), engine=engine) for name in names}, results
+    return {name: summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
+                                     plan=plans.get(name), machine=machine, engine=engine) for name in names}, results
 
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
