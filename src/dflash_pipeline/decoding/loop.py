@@ -101,6 +101,8 @@ class PlainStep:
         """Left-padded prompts [B, W] with their real-token mask: their KV, the first answer token of
         each, fresh counters. `max_new_tokens`: this batch's cap, up to the step's capacity."""
         max_new_tokens = max_new_tokens or self.answer_capacity
+        if input_ids.shape[0] != self.rows.shape[0] or self.target.batch != self.answer.shape[0]:
+            raise ValueError(f"{input_ids.shape[0]} prompts for a step of {self.answer.shape[0]} rows ({self.rows.shape[0]} still in the batch)")
         if max_new_tokens > self.answer_capacity:
             raise ValueError(f"max_new_tokens {max_new_tokens} exceeds this step's answer capacity {self.answer_capacity}")
         self.max_new_tokens = max_new_tokens
