@@ -281,6 +281,14 @@ STATIC_ENGINE = [
           f"{STUDY}/static_engine_after_36.json", STATIC_COLUMNS, rows="modes.*",
           note="The same bench, prompts and machine, run right after the one above. (An earlier table here, from the EPYC, compared "
                "the static step with itself: the bench's host side had called the dispatching functions; see gpu.md.)"),
+    Table("Issue #36 part 2, before: the code before the host loops left the package (bench/static_engine.py at 46e3be4)",
+          f"{STUDY}/static_engine_before_36b.json", STATIC_COLUMNS, rows="modes.*",
+          note="The same bench, prompts and machine as above, each version's bench from its own checkout, one after the other on "
+               "the quiet machine (2026-12-06); the host loop is the same code in both (moved to tests/oracles in part 2), so the "
+               "static / host ratios compare the two engines."),
+    Table("Issue #36 part 2, after: one plain step, one loop, one graph runner (bench/static_engine.py)",
+          f"{STUDY}/static_engine_after_36b.json", STATIC_COLUMNS, rows="modes.*",
+          note="Run right after the table above. Plain decoding records no steps now (as the host loop), hence 8/8 same steps."),
     Table("The step's forward: transformers' layers against hand-written Llama layers (bench/engine_forward.py)",
           f"{STUDY}/engine_forward_cpu.json", [
               ("batch", "@", "{}"), ("transformers ms/step", "transformers_ms_per_step", F2),
@@ -298,6 +306,16 @@ STATIC_ENGINE = [
               ("same answers", "answers_identical", yes_no),
           ], note="Batch 64 of the default prompts, 2 alternating rounds; the static step on a CPU attends over the written columns "
                   "only and drops ended rows after every step."),
+    Table("The generate stage's loop before and after it became the engine's plain step (bench/generate.py --engines, issue #36)",
+          f"{STUDY}/generate_engines_36b.json", [
+              ("run", "run", "{}"), ("code", "code", "{}"), ("static tokens/s", "static_tokens_per_s", "{:.1f}"),
+              ("transformers tokens/s", "transformers_tokens_per_s", "{:.1f}"), ("static / transformers", "static_vs_transformers", F3),
+              ("same answers", "answers_identical", yes_no),
+          ], rows="runs.*",
+          note="Batch 64 x 128 tokens on the 2-core Xeon, torch threads 1, 2026-12-06; each run is one version's bench (2 alternating "
+               "rounds against tests/oracles' transformers loop, the same code in both), the four runs one after the other in the "
+               "order listed. Mean static / transformers: 0.996 before, 0.972 after; the same version moved by 1.5-2.5% between its "
+               "runs (and measured 1.093 on the same machine the day's first run), so the difference is within that spread."),
 ]
 
 SECTIONS = [
