@@ -185,6 +185,12 @@ class Attention(nn.Module):
         `mask` is a bool [Q, K] tensor (True = visible) for SDPA, a flex-attention BlockMask
         (which skips the tiles nothing in them may see), or None (everything visible).
         """
+        # One dtype for q, k and v, cast here once for every caller (training, scoring, the static
+        # inference cache): RMSNorm (fp32 weight) and RoPE promote q and k to fp32 under bf16
+        # autocast while v stays bf16, and flex attention then runs its fp32 kernels (several
+        # times slower) or SDPA promotes. Without autocast this is v's (the weights') dtype, a no-op.
+        dtype = attention_dtype(v)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         q = q.transpose(0, 1)[None]  # [1, heads, Q, d]
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, K, d]
         if mask is not None and not isinstance(mask, torch.Tensor):
@@ -194,6 +200,14 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None])
         return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[2], -1))
+
+
+def attention_dtype(v: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's when it is on for v's device type, else v's."""
+    device_type = v.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return v.dtype
 
 
 # Device types where flex_attention runs compiled. CPU runs it eager by default (compiling costs

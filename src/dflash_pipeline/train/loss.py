@@ -146,21 +146,50 @@ class TrainingTargets:
     # given the true prefix), [blocks, B-1, K]; None when the shards hold none.
     soft_ids: torch.Tensor | None = None
     soft_logprobs: torch.Tensor | None = None
+    # [blocks, B-1] each slot's row in a top-K table held on the device (the train split's, beside
+    # its features: `train.run.ResidentFeatures`), while soft_ids / soft_logprobs are still None;
+    # `with_soft` gathers them there instead of copying them from the host every step.
+    soft_rows: torch.Tensor | None = None
+
+    def to(self, device: str) -> "TrainingTargets":
+        """Every tensor on `device` (non-blocking: asynchronous from pinned memory)."""
+        if device == "cpu":
+            return self
+        return TrainingTargets(*(None if t is None else t.to(device, non_blocking=True)
+                                 for t in (self.weights, self.soft_ids, self.soft_logprobs, self.soft_rows)))
+
+    def with_soft(self, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> "TrainingTargets":
+        """The targets with the slots' top-K gathered from the tables (rows as `soft_rows`)."""
+        if self.soft_rows is None:
+            return self
+        return TrainingTargets(self.weights, topk_ids[self.soft_rows].long(), topk_logprobs[self.soft_rows].float())
 
 
-def training_targets(batch: Batch, samples, gamma: float) -> TrainingTargets:
+def training_targets(batch: Batch, samples, gamma: float, *, pin_memory: bool = False, resident_rows: bool = False) -> TrainingTargets:
     """Slot weights exp(-(k-1)/gamma) where the slot exists, and, when every sample carries the
     target's top-K (capture.target_top_k > 0), each slot's target distribution: slot k's token
-    follows position a + k - 1, so the distribution captured there."""
+    follows position a + k - 1, so the distribution captured there.
+
+    `pin_memory` puts the tensors in page-locked memory (a GPU then copies them asynchronously;
+    from pageable memory the copy holds the host until it is done). `resident_rows`: the top-K is
+    held on the device in the rows of the batch's `feature_rows`, so only each slot's row is
+    given (`TrainingTargets.soft_rows`)."""
     weights = decay_weights(batch.block_size, gamma) * batch.exists.float()
+    if pin_memory:
+        weights = weights.pin_memory()
     if not all(getattr(s, "target_topk_ids", None) is not None and s.target_topk_ids.shape[-1] > 0 for s in samples):
         return TrainingTargets(weights)
     lengths = torch.tensor([sample.input_ids.shape[0] for sample in samples])
     starts = (torch.cumsum(lengths, 0) - lengths)[batch.block_sequence][:, None]
     slots = batch.anchors[:, None].cpu() + torch.arange(1, batch.block_size)
     rows = starts + slots.clamp(max=lengths[batch.block_sequence][:, None] - 1) - 1  # the position before each slot
-    soft_ids = torch.cat([sample.target_topk_ids for sample in samples]).long()[rows]
-    soft_logprobs = torch.cat([sample.target_topk_logprobs for sample in samples]).float()[rows]
+    if resident_rows:
+        return TrainingTargets(weights, soft_rows=batch.feature_rows[rows])
+    # Only the slots' rows are converted (not the whole step's top-K first): the same values.
+    soft_ids = torch.cat([sample.target_topk_ids for sample in samples])[rows].long()
+    soft_logprobs = torch.cat([sample.target_topk_logprobs for sample in samples])[rows].float()
+    if pin_memory:
+        soft_ids, soft_logprobs = soft_ids.pin_memory(), soft_logprobs.pin_memory()
     return TrainingTargets(weights, soft_ids, soft_logprobs)
 
 

@@ -117,10 +117,14 @@ def _all_reduce(tensor: torch.Tensor, world: int) -> torch.Tensor:
 class ResidentFeatures:
     """The whole train split's features in one device tensor, uploaded once: a step then gathers
     its rows on the device (`Batch.with_features`) instead of copying ~6 KB per token from the
-    host. The bench's split is 1.4 GB, an H200 holds 141 GB."""
+    host. The bench's split is 1.4 GB, an H200 holds 141 GB. The target's top-K (when the shards
+    hold it) rides along in the same rows, ~0.1 KB per token at K = 16: a step gathers its slots'
+    distributions there too (`TrainingTargets.with_soft`)."""
 
     table: torch.Tensor  # [tokens of the split, N*H]
     starts: list[int]  # row of each sequence's first token
+    topk_ids: torch.Tensor | None = None  # [tokens of the split, K] int32, as the shards store them
+    topk_logprobs: torch.Tensor | None = None  # [tokens of the split, K] float32
 
     # At most this share of the device's free memory: the step's activations need the rest.
     SHARE_OF_FREE_MEMORY = 0.25
@@ -129,20 +133,31 @@ class ResidentFeatures:
     def upload(cls, dataset: ShardDataset, lengths: list[int], device: str, *, budget_bytes: int | None = None) -> "ResidentFeatures | None":
         """The split on `device`, or None when it would take more than `budget_bytes` (default: a
         quarter of the device's free memory)."""
-        width = dataset[0].features.shape[1]
-        needed = sum(lengths) * width * 2  # bf16
+        first = dataset[0]
+        width = first.features.shape[1]
+        top_k = first.target_topk_ids.shape[-1] if getattr(first, "target_topk_ids", None) is not None else 0
+        needed = sum(lengths) * (width * 2 + top_k * 8)  # bf16 features, int32 ids, fp32 log-probs
         if budget_bytes is None:
             free, _ = torch.cuda.mem_get_info(torch.device(device))
             budget_bytes = int(free * cls.SHARE_OF_FREE_MEMORY)
         if needed > budget_bytes:
             return None
-        table = torch.empty((sum(lengths), width), dtype=torch.bfloat16, device=device)
+        tokens = sum(lengths)
+        table = torch.empty((tokens, width), dtype=torch.bfloat16, device=device)
+        topk_ids = topk_logprobs = None
+        if top_k:
+            topk_ids = torch.empty((tokens, top_k), dtype=torch.int32, device=device)
+            topk_logprobs = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
         starts, row = [], 0
         for index, length in enumerate(lengths):
             starts.append(row)
-            table[row : row + length].copy_(dataset[index].features)
+            sample = dataset[index]
+            table[row : row + length].copy_(sample.features)
+            if top_k:
+                topk_ids[row : row + length].copy_(sample.target_topk_ids)
+                topk_logprobs[row : row + length].copy_(sample.target_topk_logprobs)
             row += length
-        return cls(table, starts)
+        return cls(table, starts, topk_ids, topk_logprobs)
 
 
 @dataclass
@@ -389,7 +404,8 @@ def prepare_step(run: TrainingRun, step: int) -> PreparedStep:
                         mask_token_id=run.mask_token_id, anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in mine],
                         sliding_window=drafter_config.sliding_window, pin_memory=run.device.startswith("cuda"),
                         feature_starts=None if run.resident is None else [run.resident.starts[indices[i]] for i in mine])
-    targets = training_targets(batch, samples, run.gamma)
+    resident_topk = run.resident is not None and run.resident.topk_ids is not None
+    targets = training_targets(batch, samples, run.gamma, pin_memory=run.device.startswith("cuda"), resident_rows=resident_topk)
     trained_positions = int(batch.exists.sum())  # host tensor
     if run.static_shape is not None:
         batch, targets = pad_step(batch, targets, run.static_shape, mask_token_id=run.mask_token_id)
@@ -406,7 +422,7 @@ def pad_step(batch: Batch, targets: TrainingTargets, shape: tuple[int, int], *, 
     def grow(tensor):
         return None if tensor is None else torch.cat([tensor, tensor.new_zeros((extra, *tensor.shape[1:]))])
 
-    return padded, TrainingTargets(grow(targets.weights), grow(targets.soft_ids), grow(targets.soft_logprobs))
+    return padded, TrainingTargets(grow(targets.weights), grow(targets.soft_ids), grow(targets.soft_logprobs), grow(targets.soft_rows))
 
 
 def static_shape(run: TrainingRun) -> tuple[int, int]:
@@ -478,8 +494,9 @@ def train_step(run: TrainingRun, step: int, prepared: PreparedStep | None = None
     batch = prepared.batch.to(device)
     if run.resident is not None:
         batch = batch.with_features(run.resident.table)
-    targets = TrainingTargets(*(None if t is None else t.to(device, non_blocking=True)
-                                for t in (prepared.targets.weights, prepared.targets.soft_ids, prepared.targets.soft_logprobs)))
+    targets = prepared.targets.to(device)
+    if run.resident is not None and run.resident.topk_ids is not None:
+        targets = targets.with_soft(run.resident.topk_ids, run.resident.topk_logprobs)
     weight_total = _all_reduce(targets.weights.sum(), world)
     with autocast(device, run.bf16):
         step_loss = run.loss_fn(run.drafter, batch, targets, weight_total)
@@ -612,7 +629,8 @@ def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
 
 class StepPrefetcher:
     """Builds step n + 1's batch on a host thread while the device runs step n (GPU only: on a
-    CPU the thread would take cores from the step itself)."""
+    CPU the thread would take cores from the step itself). `prepare_seconds` keeps each step's
+    host preparation time, measured in the thread that did it (`measure_train_steps` reports it)."""
 
     def __init__(self, run: TrainingRun):
         from concurrent.futures import ThreadPoolExecutor
@@ -620,20 +638,66 @@ class StepPrefetcher:
         self.run = run
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare-step") if run.device.startswith("cuda") else None
         self.ahead = None  # (step, future)
+        self.prepare_seconds: dict[int, float] = {}
+
+    def _prepare(self, step: int) -> PreparedStep:
+        began = time.perf_counter()
+        prepared = prepare_step(self.run, step)
+        self.prepare_seconds[step] = time.perf_counter() - began
+        return prepared
 
     def get(self, step: int) -> PreparedStep:
         if self.ahead is not None and self.ahead[0] == step:
             prepared = self.ahead[1].result()
         else:
-            prepared = prepare_step(self.run, step)
+            prepared = self._prepare(step)
         self.ahead = None
         if self.pool is not None and step + 1 < self.run.config.max_steps:
-            self.ahead = (step + 1, self.pool.submit(prepare_step, self.run, step + 1))
+            self.ahead = (step + 1, self.pool.submit(self._prepare, step + 1))
         return prepared
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def measure_train_steps(run: TrainingRun, *, steps: int, warmup: int = 3) -> dict:
+    """Train steps timed as the stage runs them: each batch prepared by the stage's `StepPrefetcher`
+    (a step ahead in its thread on a GPU, inline on a CPU), curve values read back every
+    READ_EVERY steps and at the end, from a synchronised start to a synchronised end. So the step
+    time includes whatever host preparation the device waits for. `warmup` steps run first
+    (compilation, allocator, kernel choice) and are not counted; the run's plan and max_steps must
+    cover warmup + steps. Returns step_ms, host_prepare_ms (mean host time to prepare one of the
+    timed steps, in whichever thread did it; above step_ms the stage is host-bound),
+    context_tokens_per_s and trained_positions_per_s."""
+    from dflash_pipeline.devices import timed
+
+    last = warmup + steps
+    if steps < 1 or len(run.plan) < last or run.config.max_steps < last:
+        raise PipelineError(f"measure_train_steps: {warmup} + {steps} steps need a plan and max_steps of at least {last}, "
+                            f"the run has {len(run.plan)} and {run.config.max_steps}")
+    prefetch = StepPrefetcher(run)
+
+    def run_steps(first: int, end: int) -> list[dict]:
+        rows, pending = [], []
+        for step in range(first, end):
+            pending.append(train_step(run, step, prefetch.get(step)))
+            if len(pending) == READ_EVERY:
+                rows += read_back(run, pending)
+                pending = []
+        return rows + read_back(run, pending)
+
+    try:
+        if warmup:
+            run_steps(0, warmup)
+        rows, seconds = timed(lambda: run_steps(warmup, last), run.device)
+    finally:
+        prefetch.close()
+    host = [prefetch.prepare_seconds[step] for step in range(warmup, last)]
+    return {"steps": steps, "step_ms": 1000 * seconds / steps, "host_prepare_ms": 1000 * sum(host) / len(host),
+            "context_tokens_per_s": sum(row["context_tokens"] for row in rows) / seconds,
+            "trained_positions_per_s": sum(row["trained_positions"] for row in rows) / seconds,
+            "prefetch_thread": prefetch.pool is not None}
 
 
 def _latest_tau(curve: list[dict]) -> dict:
