@@ -276,3 +276,32 @@ def test_every_layout_speculates_token_for_token_what_it_decodes_plainly(kind, m
     run = Speculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
     assert run.tokens == plain.tokens
     assert max(run.steps) >= 3 and min(run.steps) == 1
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+def test_at_the_gpu_read_interval_the_loop_plans_steps_by_tau_and_wastes_few_past_the_cap(tiny_target, oracle, mode, monkeypatch):
+    """Issue #37 item 3: between two reads the loop runs ceil(tokens left / tau so far) steps, not
+    min(READ_EVERY, tokens left), so a speculative decode (tau > 1) runs few steps past its cap.
+    The GPU's read interval is forced here (a CPU reads every step); the steps run are counted at
+    the draft phase, and the answer and every step's size are those of reading after each step."""
+    import dflash_pipeline.decoding.loop as loop
+    from dflash_pipeline.decoding.engine import speculative_decode
+    from dflash_pipeline.devices import READ_EVERY
+
+    model, tap, head, drafter, prompt = tiny_target
+    ran = []
+    draft = static.SpeculativeStep.draft
+    monkeypatch.setattr(static.SpeculativeStep, "draft", lambda self: (ran.append(1), draft(self))[1])
+    runs = {}
+    for every in (1, READ_EVERY):
+        monkeypatch.setattr(loop, "default_read_every", lambda device, every=every: every)
+        ran.clear()
+        run = speculative_decode(model, Speculation(drafter, head, **mode), prompt, max_new_tokens=MAX_NEW, eos_ids={-5})
+        runs[every] = (run, len(ran))
+    (each, each_ran), (gpu, gpu_ran) = runs[1], runs[READ_EVERY]
+    assert len(each.tokens) == MAX_NEW and each.tokens == gpu.tokens == oracle.tokens[:MAX_NEW]
+    assert each.steps == gpu.steps and each.drafted == gpu.drafted
+    assert each_ran == len(each.steps)  # reading after every step wastes none
+    assert sum(gpu.steps) / len(gpu.steps) > 1.5  # speculation: more than one token a step
+    # on main's plan (min(READ_EVERY, tokens left)) the chain ran 2 steps past the cap, the tree 4
+    assert gpu_ran - len(gpu.steps) <= 1, f"{gpu_ran - len(gpu.steps)} steps run past the cap"

@@ -212,14 +212,15 @@ class PhaseClock:
 
 def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_read=None, read_first: bool = True) -> list[float]:
     """Steps until the answer (every answer of a batch) has ended; the host reads (ended, tokens
-    made) once every `read_every` steps, sooner when the length cap could come first (a step
-    commits at least one token). `on_tokens(list)` sees the answer's new tokens at each read;
+    made) once every `read_every` steps, sooner when the length cap could come first at the
+    tokens per step measured so far (at least one). `on_tokens(list)` sees the answer's new tokens at each read;
     `on_read()` runs at each read (the generate stage: progress, and on a CPU the ended rows
     leave the batch). `read_first=False` skips the read right after the prefill (the first
     interval then steps on whatever ended there). Returns each phase's seconds."""
     phases = runner.phases
     clock = PhaseClock(step.device, len(phases))
     ended, count = step.read_state() if read_first else (False, 1)
+    first_count, stepped = count, 0  # tau so far: (count - first_count) tokens over `stepped` steps
     shown, stopped = 0, False
     while True:
         if on_read is not None and (read_first or count > 1):
@@ -232,7 +233,13 @@ def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_
             shown = count
         if ended:
             return clock.totals()
-        for _ in range(max(1, min(read_every, step.max_new_tokens - count))):
+        # A plain step makes one token, a speculative one about tau: planning ceil(tokens left /
+        # tau so far) steps (integer arithmetic, tau at least 1) reaches the cap without the steps
+        # past it that min(read_every, tokens left) ran, which change nothing but cost a step each.
+        left, made = step.max_new_tokens - count, max(count - first_count, stepped)
+        planned = max(1, min(read_every, -(-left * stepped // made) if stepped else left))
+        stepped += planned
+        for _ in range(planned):
             if step.sampling is not None:
                 step.uniforms.uniform_(generator=step.generator)
             clock.mark()
