@@ -39,7 +39,9 @@ def engine_name(model) -> str:
 
 @dataclass
 class DecodeRun:
-    """One prompt decoded: its answer, times, and each speculative step's size (either loop's)."""
+    """One prompt decoded: its answer, times, and each speculative step's size (either loop's).
+    `seconds` is the whole prompt, prefill included; `prefill_seconds` the prefill alone (which
+    also makes the first answer token); `decode_seconds` the rest."""
 
     tokens: list[int]
     seconds: float
@@ -48,6 +50,12 @@ class DecodeRun:
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
     drafted: int = 0  # drafted tokens verified (chain tokens or tree nodes), over all steps
+
+    @property
+    def decode_seconds(self) -> float:
+        """The steps after the prefill, their reads and the answer's read: what makes every answer
+        token but the first."""
+        return self.seconds - self.prefill_seconds
 
 
 @dataclass
