@@ -305,3 +305,31 @@ def test_at_the_gpu_read_interval_the_loop_plans_steps_by_tau_and_wastes_few_pas
     assert sum(gpu.steps) / len(gpu.steps) > 1.5  # speculation: more than one token a step
     # on main's plan (min(READ_EVERY, tokens left)) the chain ran 2 steps past the cap, the tree 4
     assert gpu_ran - len(gpu.steps) <= 1, f"{gpu_ran - len(gpu.steps)} steps run past the cap"
+
+
+@pytest.mark.parametrize("feature_dtype", ["bf16", "fp8_e4m3"])
+def test_live_features_round_on_the_device_bit_for_bit_as_the_shards_store_them(feature_dtype):
+    """Issue #37 item 3: the step's rounding of live features (`stored_features`) is the shards'
+    encode-then-decode, bit for bit: rows of every scale, a zero row, ties and tiny values."""
+    from dflash_pipeline.data.shards import decode_features, encode_features
+
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(64, 96, generator=generator) * torch.logspace(-30, 30, 64)[:, None]
+    features[3] = 0.0
+    features[5, :8] = torch.tensor([1.0625, 1.1875, -3.25, 448.0, 1e-40, -1e-40, 5.5, 0.015625])
+    ours = static.stored_features(features, feature_dtype)
+    theirs = decode_features(*encode_features(features, feature_dtype), features.shape[-1], feature_dtype)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+
+
+def test_an_fp8_feature_step_reads_nothing_back_and_copies_nothing_in(gpu_shaped_steps, tiny_target):
+    """With `capture.feature_dtype: fp8_e4m3` too, the step stays capturable (issue #37 item 3)."""
+    model, tap, head, drafter, prompt = tiny_target
+    step = static.SpeculativeStep(model, drafter, head, capacity=64, max_new_tokens=200, eos_ids={-5}, feature_dtype="fp8_e4m3")
+    step.prefill(prompt)
+    with DeviceTraffic() as reads:
+        for _ in range(6):
+            for phase in step.phases():
+                phase()
+    assert reads.calls == []

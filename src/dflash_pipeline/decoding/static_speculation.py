@@ -97,13 +97,10 @@ class StaticDraftCache:
 
 def stored_features(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
     """Live target features rounded exactly as the shards store them, so the drafter sees at
-    inference what it saw in training."""
-    from dflash_pipeline.data.shards import decode_features, encode_features
+    inference what it saw in training: on the device (bf16 and fp8 alike), so capture can keep it."""
+    from dflash_pipeline.data.shards import round_as_stored
 
-    if feature_dtype == "bf16":  # the shards' bf16 is exactly this rounding; stays on the device
-        return features.to(torch.bfloat16)
-    values, scales = encode_features(features, feature_dtype)
-    return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
+    return round_as_stored(features, feature_dtype)
 
 
 def accept_greedy(choice: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, depth: int):
