@@ -333,3 +333,33 @@ def test_an_fp8_feature_step_reads_nothing_back_and_copies_nothing_in(gpu_shaped
             for phase in step.phases():
                 phase()
     assert reads.calls == []
+
+
+def test_a_model_its_speculation_and_their_kept_steps_are_freed_with_the_last_reference(tiny_llama_dir, tiny_target, monkeypatch):
+    """Issue #37 item 3: the steps kept per model (plain) and per `Speculation` hold the model, so
+    a process-wide table keyed by the owner kept both alive for the life of the process."""
+    import gc
+    import weakref
+
+    import dflash_pipeline.decoding.loop as loop
+    from transformers import AutoModelForCausalLM
+
+    _, tap, head, drafter, prompt = tiny_target
+    kept = []
+    runner = loop.PhaseRunner
+
+    def recording(phases, **kwargs):  # each kept step, as the cache makes its runner
+        kept.append(weakref.ref(phases[0].__self__))
+        return runner(phases, **kwargs)
+
+    monkeypatch.setattr(loop, "PhaseRunner", recording)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    speculation = Speculation(drafter, head)
+    plain = static_plain_decode(model, prompt, max_new_tokens=8, eos_ids={2})
+    assert speculation.decode(model, prompt, max_new_tokens=8, eos_ids={2}).tokens == plain.tokens
+    static_plain_decode(model, prompt, max_new_tokens=8, eos_ids={2})  # kept: no new step
+    assert len(kept) == 2 and all(step() is not None for step in kept)
+    owners = [weakref.ref(model), weakref.ref(speculation)]
+    del model, speculation
+    gc.collect()
+    assert [owner() for owner in owners] == [None, None] and [step() for step in kept] == [None, None]

@@ -15,7 +15,6 @@ does not go stale when drafter code changes.
 """
 
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -261,13 +260,35 @@ def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_
 # drafter's mode) and reused across prompts: allocating the caches and capturing the graphs is
 # paid once. Prompt capacity grows in multiples of CAPACITY_STEP.
 CAPACITY_STEP = 256
-_STEPS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+STEPS_ATTRIBUTE = "_dflash_decode_steps"
+
+
+class StepCache(dict):
+    """An owner's kept steps, by key: (step, runner). It lives in the owner's own `__dict__`, not
+    in a module-level table keyed by the owner: a step holds its model, so a table's entry would
+    keep its key alive for the life of the process (a WeakKeyDictionary included), while owner ->
+    cache -> step -> owner is a cycle the garbage collector frees with the owner. A copy or a
+    pickle of the owner starts with no steps (caches and graphs are the device's, not data)."""
+
+    def __deepcopy__(self, memo):
+        return StepCache()
+
+    def __reduce__(self):
+        return StepCache, ()
+
+
+def steps_of(owner) -> StepCache:
+    """The steps `owner` keeps (none yet: an empty cache, now kept on it)."""
+    steps = vars(owner).get(STEPS_ATTRIBUTE)
+    if steps is None:  # written into __dict__ itself: a frozen dataclass or a Module's __setattr__ is not involved
+        steps = vars(owner)[STEPS_ATTRIBUTE] = StepCache()
+    return steps
 
 
 def cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, build):
     """(the step of `owner` and `key` that holds this prompt and answer, its graph runner): the
     kept one, or one `build(capacity, answer_capacity)` makes at rounded-up sizes."""
-    steps = _STEPS.setdefault(owner, {})
+    steps = steps_of(owner)
     entry = steps.get(key)
     if entry is None or entry[0].capacity < prompt_length or entry[0].answer_capacity < max_new_tokens:
         def rounded(n):
