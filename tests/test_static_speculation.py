@@ -363,3 +363,61 @@ def test_a_model_its_speculation_and_their_kept_steps_are_freed_with_the_last_re
     del model, speculation
     gc.collect()
     assert [owner() for owner in owners] == [None, None] and [step() for step in kept] == [None, None]
+
+
+def _vocab_drafter(tiny_target, seed: int, ids: torch.Tensor):
+    from dflash_pipeline.drafters.core import DFlashDrafter
+
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(tiny_target[3].config).eval()
+    drafter.set_draft_vocab(ids)
+    return drafter
+
+
+def test_a_new_drafter_state_is_loaded_into_the_tensors_a_captured_draft_graph_reads(tiny_target):
+    """Issue #37 item 3: a draft graph reads `draft_vocab` and the cached head rows at their
+    addresses; `load_state_dict` / `set_draft_vocab` of the same length must write the new values
+    there (replacing the tensors freed them under the graph: garbage drafts)."""
+    model, tap, head, drafter, prompt = tiny_target
+    ours = _vocab_drafter(tiny_target, 1, torch.arange(0, 600, 2))
+    theirs = _vocab_drafter(tiny_target, 2, torch.arange(1, 601, 2))
+    vocab, rows = ours.draft_vocab, ours.draft_head_weight(head)  # what a capture would have read
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.draft_vocab is vocab and torch.equal(vocab, theirs.draft_vocab)
+    assert ours.draft_head_weight(head) is rows and torch.equal(rows, head.lm_head_weight[theirs.draft_vocab])
+    assert torch.equal(ours.fc.weight, theirs.fc.weight)
+    ours.set_draft_vocab(torch.arange(5, 305))
+    assert ours.draft_vocab is vocab and ours.draft_head_weight(head) is rows
+    assert torch.equal(rows, head.lm_head_weight[5:305])
+    layout = ours.draft_layout
+    ours.set_draft_vocab(torch.arange(5, 105))  # another length: a new layout, steps built for the old one are stale
+    assert ours.draft_layout == layout + 1 and ours.draft_head_weight(head).shape[0] == 100
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+def test_after_a_new_drafter_state_the_kept_step_drafts_what_a_fresh_one_does(tiny_target, mode):
+    """Issue #37 item 3: a kept speculative step after `load_state_dict` (same draft vocabulary
+    length: loaded in place) and after `set_draft_vocab` of another length (the kept steps are
+    stale and rebuilt) drafts and decodes as a fresh step of the loaded drafter does. (Eagerly,
+    as here, main's kept step did too: it looked the rows up again; a replayed graph cannot.)"""
+    import dflash_pipeline.decoding.loop as loop
+
+    model, tap, head, drafter, prompt = tiny_target
+    ours = _vocab_drafter(tiny_target, 1, torch.arange(0, 600, 2))
+    theirs = _vocab_drafter(tiny_target, 2, torch.arange(1, 601, 2))
+    speculation = Speculation(ours, head, **mode)
+    speculation.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})  # builds and keeps the step
+    for change in (lambda d: d.load_state_dict(theirs.state_dict()), lambda d: d.set_draft_vocab(torch.arange(1, 7))):
+        change(ours)
+        fresh_drafter = _vocab_drafter(tiny_target, 3, torch.zeros(0, dtype=torch.long))
+        fresh_drafter.load_state_dict(ours.state_dict())
+        fresh = Speculation(fresh_drafter, head, **mode)
+        kept, new = (speculation.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2}),
+                     fresh.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2}))
+        assert (kept.tokens, kept.steps, kept.drafted) == (new.tokens, new.steps, new.drafted)
+        (step, _), = loop.steps_of(speculation).values()
+        (fresh_step, _), = loop.steps_of(fresh).values()
+        for each in (step, fresh_step):
+            each.prefill(prompt)
+            each.draft()
+        assert torch.equal(step.node_tokens, fresh_step.node_tokens) and torch.equal(step.node_parents, fresh_step.node_parents)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_pipeline.decoding.loop import StepRecord, cached_step, run_prompt
+from dflash_pipeline.decoding.loop import StepRecord, cached_step, run_prompt, steps_of
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.decoding.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
@@ -389,7 +389,11 @@ class Speculation:
         """`engine.speculative_decode` of one prompt on the static step (a `DecodeRun`): greedy, or
         a sampled chain under `sampling` (its rule, temperature and seed)."""
         sampling_key = None if sampling is None else (sampling.temperature, sampling.rule, sampling.top_k, sampling.top_p)
-        key = (id(model), tuple(sorted(eos_ids)), feature_dtype, bf16, sampling_key)
+        layout = self.drafter.draft_layout  # a draft vocabulary of another length makes every kept step stale
+        key = (id(model), tuple(sorted(eos_ids)), feature_dtype, bf16, sampling_key, layout)
+        steps = steps_of(self)
+        for stale in [kept for kept in steps if kept[-1] != layout]:
+            del steps[stale]
 
         def build(capacity, answer_capacity):
             return SpeculativeStep(model, self.drafter, self.head, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids,
