@@ -143,3 +143,47 @@ def test_a_failed_graph_capture_warns_and_runs_the_same_phases_eagerly_with_thei
     assert not runner.graphed and runner.phases == (phase,) and int(counter) == 0
     runner.phases[0]()
     assert int(counter) == 1
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["captured", "capture-fails"])
+def test_graph_capture_is_thread_local_with_the_garbage_collector_off_and_puts_it_back(monkeypatch, fails):
+    """Issue #37 item 3: each phase is captured in "thread_local" error mode (a CUDA call elsewhere
+    in the process does not invalidate it) with garbage collection off (no finaliser runs during
+    capture), and collection is on again afterwards, whether the capture succeeded or not. The
+    CUDA calls are stand-ins recording what capture asked for, so this runs on a CPU."""
+    import contextlib
+    import gc
+    import types
+    import warnings
+
+    from dflash_pipeline.decoding import graphs
+
+    seen = []
+
+    class Graph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, **kwargs):
+        seen.append((kwargs, gc.isenabled()))
+        yield
+        if fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    cuda = types.SimpleNamespace(Stream=Stream, current_stream=Stream, stream=lambda stream: contextlib.nullcontext(),
+                                 CUDAGraph=Graph, graph=graph)
+    monkeypatch.setattr(graphs.torch, "cuda", cuda)
+    counter = torch.zeros((), dtype=torch.long)
+    assert gc.isenabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = graphs.PhaseRunner([lambda: counter.add_(1), lambda: counter.add_(2)], state=[counter], device=torch.device("cpu"),
+                                    capture=True)
+    assert runner.graphed is not fails and int(counter) == 0
+    assert seen == [({"capture_error_mode": "thread_local"}, False)] * (1 if fails else 2)
+    assert gc.isenabled()

@@ -657,3 +657,42 @@ def test_a_sliding_window_target_decodes_trees_end_to_end_losslessly(tiny_slidin
     common = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "checkpoints" / "step_000002"), "--max-new-tokens", "8"]
     tree = CliRunner().invoke(main, ["generate", "Hi", *common, "--tree-budget", "4", "--compare"])
     assert tree.exit_code == 0 and "identical answers" in tree.output, tree.output
+
+
+def test_the_prefill_is_timed_apart_and_the_decode_figures_leave_it_out_on_both_sides(tiny_target, monkeypatch):
+    """Issue #37 item 3: a prompt's prefill (made 100 s slow on a fake clock, plain and speculative
+    alike) shows in `prefill_seconds` and the record's prefill means, never in `decode_seconds`,
+    the decode tokens/s or `decode_speedup`; the end-to-end `speedup` keeps it, as before."""
+    import types
+
+    import dflash_pipeline.decoding.loop as loop
+    import dflash_pipeline.decoding.static_speculation as static
+
+    clock = {"now": 0.0}
+
+    def perf_counter():  # every reading moves the fake clock by 1 ms: the decode takes some time
+        clock["now"] += 0.001
+        return clock["now"]
+
+    def slow(prefill):
+        def prefill_slowly(self, *args, **kwargs):
+            clock["now"] += 100.0
+            return prefill(self, *args, **kwargs)
+        return prefill_slowly
+
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(loop.PlainStep, "prefill", slow(loop.PlainStep.prefill))
+    monkeypatch.setattr(static.SpeculativeStep, "prefill", slow(static.SpeculativeStep.prefill))
+    model, tap, head, drafter, prompt = tiny_target
+    plain = greedy_decode(model, prompt, max_new_tokens=12, eos_ids={-5})
+    spec = speculative_decode(model, Speculation(drafter, head), prompt, max_new_tokens=12, eos_ids={-5})
+    for run in (plain, spec):
+        assert 100.0 < run.prefill_seconds < 100.01 and 0 < run.decode_seconds < 1.0
+        assert run.seconds == pytest.approx(run.prefill_seconds + run.decode_seconds)
+    summary = summarize_end_to_end([EndToEndPrompt("p", plain, {"d": spec})], "d")
+    assert summary.plain_decode_tokens_per_s == pytest.approx((len(plain.tokens) - 1) / plain.decode_seconds, rel=1e-3)
+    assert summary.spec_decode_tokens_per_s == pytest.approx((len(spec.tokens) - 1) / spec.decode_seconds, rel=1e-3)
+    assert summary.decode_speedup == pytest.approx(summary.spec_decode_tokens_per_s / summary.plain_decode_tokens_per_s, rel=1e-3)
+    assert summary.plain_prefill_ms == pytest.approx(1000 * plain.prefill_seconds, rel=1e-6)
+    assert summary.spec_prefill_ms == pytest.approx(1000 * spec.prefill_seconds, rel=1e-6)
+    assert summary.speedup == pytest.approx(len(spec.tokens) / spec.seconds / (len(plain.tokens) / plain.seconds), rel=1e-3)

@@ -276,3 +276,148 @@ def test_every_layout_speculates_token_for_token_what_it_decodes_plainly(kind, m
     run = Speculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
     assert run.tokens == plain.tokens
     assert max(run.steps) >= 3 and min(run.steps) == 1
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+def test_at_the_gpu_read_interval_the_loop_plans_steps_by_tau_and_wastes_few_past_the_cap(tiny_target, oracle, mode, monkeypatch):
+    """Issue #37 item 3: between two reads the loop runs ceil(tokens left / tau so far) steps, not
+    min(READ_EVERY, tokens left), so a speculative decode (tau > 1) runs few steps past its cap.
+    The GPU's read interval is forced here (a CPU reads every step); the steps run are counted at
+    the draft phase, and the answer and every step's size are those of reading after each step."""
+    import dflash_pipeline.decoding.loop as loop
+    from dflash_pipeline.decoding.engine import speculative_decode
+    from dflash_pipeline.devices import READ_EVERY
+
+    model, tap, head, drafter, prompt = tiny_target
+    ran = []
+    draft = static.SpeculativeStep.draft
+    monkeypatch.setattr(static.SpeculativeStep, "draft", lambda self: (ran.append(1), draft(self))[1])
+    runs = {}
+    for every in (1, READ_EVERY):
+        monkeypatch.setattr(loop, "default_read_every", lambda device, every=every: every)
+        ran.clear()
+        run = speculative_decode(model, Speculation(drafter, head, **mode), prompt, max_new_tokens=MAX_NEW, eos_ids={-5})
+        runs[every] = (run, len(ran))
+    (each, each_ran), (gpu, gpu_ran) = runs[1], runs[READ_EVERY]
+    assert len(each.tokens) == MAX_NEW and each.tokens == gpu.tokens == oracle.tokens[:MAX_NEW]
+    assert each.steps == gpu.steps and each.drafted == gpu.drafted
+    assert each_ran == len(each.steps)  # reading after every step wastes none
+    assert sum(gpu.steps) / len(gpu.steps) > 1.5  # speculation: more than one token a step
+    # on main's plan (min(READ_EVERY, tokens left)) the chain ran 2 steps past the cap, the tree 4
+    assert gpu_ran - len(gpu.steps) <= 1, f"{gpu_ran - len(gpu.steps)} steps run past the cap"
+
+
+@pytest.mark.parametrize("feature_dtype", ["bf16", "fp8_e4m3"])
+def test_live_features_round_on_the_device_bit_for_bit_as_the_shards_store_them(feature_dtype):
+    """Issue #37 item 3: the step's rounding of live features (`stored_features`) is the shards'
+    encode-then-decode, bit for bit: rows of every scale, a zero row, ties and tiny values."""
+    from dflash_pipeline.data.shards import decode_features, encode_features
+
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(64, 96, generator=generator) * torch.logspace(-30, 30, 64)[:, None]
+    features[3] = 0.0
+    features[5, :8] = torch.tensor([1.0625, 1.1875, -3.25, 448.0, 1e-40, -1e-40, 5.5, 0.015625])
+    ours = static.stored_features(features, feature_dtype)
+    theirs = decode_features(*encode_features(features, feature_dtype), features.shape[-1], feature_dtype)
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+
+
+def test_an_fp8_feature_step_reads_nothing_back_and_copies_nothing_in(gpu_shaped_steps, tiny_target):
+    """With `capture.feature_dtype: fp8_e4m3` too, the step stays capturable (issue #37 item 3)."""
+    model, tap, head, drafter, prompt = tiny_target
+    step = static.SpeculativeStep(model, drafter, head, capacity=64, max_new_tokens=200, eos_ids={-5}, feature_dtype="fp8_e4m3")
+    step.prefill(prompt)
+    with DeviceTraffic() as reads:
+        for _ in range(6):
+            for phase in step.phases():
+                phase()
+    assert reads.calls == []
+
+
+def test_a_model_its_speculation_and_their_kept_steps_are_freed_with_the_last_reference(tiny_llama_dir, tiny_target, monkeypatch):
+    """Issue #37 item 3: the steps kept per model (plain) and per `Speculation` hold the model, so
+    a process-wide table keyed by the owner kept both alive for the life of the process."""
+    import gc
+    import weakref
+
+    import dflash_pipeline.decoding.loop as loop
+    from transformers import AutoModelForCausalLM
+
+    _, tap, head, drafter, prompt = tiny_target
+    kept = []
+    runner = loop.PhaseRunner
+
+    def recording(phases, **kwargs):  # each kept step, as the cache makes its runner
+        kept.append(weakref.ref(phases[0].__self__))
+        return runner(phases, **kwargs)
+
+    monkeypatch.setattr(loop, "PhaseRunner", recording)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    speculation = Speculation(drafter, head)
+    plain = static_plain_decode(model, prompt, max_new_tokens=8, eos_ids={2})
+    assert speculation.decode(model, prompt, max_new_tokens=8, eos_ids={2}).tokens == plain.tokens
+    static_plain_decode(model, prompt, max_new_tokens=8, eos_ids={2})  # kept: no new step
+    assert len(kept) == 2 and all(step() is not None for step in kept)
+    owners = [weakref.ref(model), weakref.ref(speculation)]
+    del model, speculation
+    gc.collect()
+    assert [owner() for owner in owners] == [None, None] and [step() for step in kept] == [None, None]
+
+
+def _vocab_drafter(tiny_target, seed: int, ids: torch.Tensor):
+    from dflash_pipeline.drafters.core import DFlashDrafter
+
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(tiny_target[3].config).eval()
+    drafter.set_draft_vocab(ids)
+    return drafter
+
+
+def test_a_new_drafter_state_is_loaded_into_the_tensors_a_captured_draft_graph_reads(tiny_target):
+    """Issue #37 item 3: a draft graph reads `draft_vocab` and the cached head rows at their
+    addresses; `load_state_dict` / `set_draft_vocab` of the same length must write the new values
+    there (replacing the tensors freed them under the graph: garbage drafts)."""
+    model, tap, head, drafter, prompt = tiny_target
+    ours = _vocab_drafter(tiny_target, 1, torch.arange(0, 600, 2))
+    theirs = _vocab_drafter(tiny_target, 2, torch.arange(1, 601, 2))
+    vocab, rows = ours.draft_vocab, ours.draft_head_weight(head)  # what a capture would have read
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.draft_vocab is vocab and torch.equal(vocab, theirs.draft_vocab)
+    assert ours.draft_head_weight(head) is rows and torch.equal(rows, head.lm_head_weight[theirs.draft_vocab])
+    assert torch.equal(ours.fc.weight, theirs.fc.weight)
+    ours.set_draft_vocab(torch.arange(5, 305))
+    assert ours.draft_vocab is vocab and ours.draft_head_weight(head) is rows
+    assert torch.equal(rows, head.lm_head_weight[5:305])
+    layout = ours.draft_layout
+    ours.set_draft_vocab(torch.arange(5, 105))  # another length: a new layout, steps built for the old one are stale
+    assert ours.draft_layout == layout + 1 and ours.draft_head_weight(head).shape[0] == 100
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+def test_after_a_new_drafter_state_the_kept_step_drafts_what_a_fresh_one_does(tiny_target, mode):
+    """Issue #37 item 3: a kept speculative step after `load_state_dict` (same draft vocabulary
+    length: loaded in place) and after `set_draft_vocab` of another length (the kept steps are
+    stale and rebuilt) drafts and decodes as a fresh step of the loaded drafter does. (Eagerly,
+    as here, main's kept step did too: it looked the rows up again; a replayed graph cannot.)"""
+    import dflash_pipeline.decoding.loop as loop
+
+    model, tap, head, drafter, prompt = tiny_target
+    ours = _vocab_drafter(tiny_target, 1, torch.arange(0, 600, 2))
+    theirs = _vocab_drafter(tiny_target, 2, torch.arange(1, 601, 2))
+    speculation = Speculation(ours, head, **mode)
+    speculation.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})  # builds and keeps the step
+    for change in (lambda d: d.load_state_dict(theirs.state_dict()), lambda d: d.set_draft_vocab(torch.arange(1, 7))):
+        change(ours)
+        fresh_drafter = _vocab_drafter(tiny_target, 3, torch.zeros(0, dtype=torch.long))
+        fresh_drafter.load_state_dict(ours.state_dict())
+        fresh = Speculation(fresh_drafter, head, **mode)
+        kept, new = (speculation.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2}),
+                     fresh.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2}))
+        assert (kept.tokens, kept.steps, kept.drafted) == (new.tokens, new.steps, new.drafted)
+        (step, _), = loop.steps_of(speculation).values()
+        (fresh_step, _), = loop.steps_of(fresh).values()
+        for each in (step, fresh_step):
+            each.prefill(prompt)
+            each.draft()
+        assert torch.equal(step.node_tokens, fresh_step.node_tokens) and torch.equal(step.node_parents, fresh_step.node_parents)

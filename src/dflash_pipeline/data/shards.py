@@ -112,6 +112,19 @@ def decode_features(values: np.ndarray, scales: np.ndarray | None, width: int, f
     return (raw.float() * torch.from_numpy(scales)[:, None]).to(torch.bfloat16)
 
 
+def round_as_stored(features, feature_dtype: str):
+    """[S, W] float tensor -> what `decode_features(*encode_features(...))` gives, bit for bit, with
+    torch ops on the tensor's own device and nothing copied to or from the host, so a captured CUDA
+    graph can run it (the speculative step rounds live features this way)."""
+    import torch
+
+    if feature_dtype == "bf16":
+        return features.to(torch.bfloat16)
+    values = features.float()
+    scales = values.abs().amax(dim=-1).clamp(min=1e-12) / FP8_E4M3_MAX  # float32, as encode_features stores them
+    return ((values / scales[:, None]).to(torch.float8_e4m3fn).float() * scales[:, None]).to(torch.bfloat16)
+
+
 @dataclass
 class Sample:
     """One captured sequence. Tensors may be views of a memory-mapped shard: copy to keep them."""

@@ -12,8 +12,14 @@ Capture warms each phase up twice on a side stream (lazy initialisation, kernel 
 choice happen outside the graph), captures it, then puts back the small counters in `state` that
 the warm-up moved (the buffers they index are rewritten before they are read again). A capture
 that fails warns once and runs the same phases eagerly: the answers are the same, only slower.
+
+Capture runs in "thread_local" error mode with the garbage collector off: in the default "global"
+mode an unsafe CUDA call from anywhere in the process invalidates the capture, and a collection
+during capture can finalise objects that make such calls (a Triton kernel's module unloaded after
+compiled attention in evaluate, vllm-project/vllm#54646).
 """
 
+import gc
 import warnings
 
 import torch
@@ -48,9 +54,15 @@ class PhaseRunner:
                     phase()
         torch.cuda.current_stream().wait_stream(stream)
         graphs = []
-        for phase in phases:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                phase()
-            graphs.append(graph)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for phase in phases:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    phase()
+                graphs.append(graph)
+        finally:
+            if collecting:  # as it was: a caller that had switched collection off keeps it off
+                gc.enable()
         return tuple(graph.replay for graph in graphs)

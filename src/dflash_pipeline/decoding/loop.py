@@ -15,7 +15,6 @@ does not go stale when drafter code changes.
 """
 
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +38,9 @@ def engine_name(model) -> str:
 
 @dataclass
 class DecodeRun:
-    """One prompt decoded: its answer, times, and each speculative step's size (either loop's)."""
+    """One prompt decoded: its answer, times, and each speculative step's size (either loop's).
+    `seconds` is the whole prompt, prefill included; `prefill_seconds` the prefill alone (which
+    also makes the first answer token); `decode_seconds` the rest."""
 
     tokens: list[int]
     seconds: float
@@ -48,6 +49,12 @@ class DecodeRun:
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
     drafted: int = 0  # drafted tokens verified (chain tokens or tree nodes), over all steps
+
+    @property
+    def decode_seconds(self) -> float:
+        """The steps after the prefill, their reads and the answer's read: what makes every answer
+        token but the first."""
+        return self.seconds - self.prefill_seconds
 
 
 @dataclass
@@ -212,14 +219,15 @@ class PhaseClock:
 
 def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_read=None, read_first: bool = True) -> list[float]:
     """Steps until the answer (every answer of a batch) has ended; the host reads (ended, tokens
-    made) once every `read_every` steps, sooner when the length cap could come first (a step
-    commits at least one token). `on_tokens(list)` sees the answer's new tokens at each read;
+    made) once every `read_every` steps, sooner when the length cap could come first at the
+    tokens per step measured so far (at least one). `on_tokens(list)` sees the answer's new tokens at each read;
     `on_read()` runs at each read (the generate stage: progress, and on a CPU the ended rows
     leave the batch). `read_first=False` skips the read right after the prefill (the first
     interval then steps on whatever ended there). Returns each phase's seconds."""
     phases = runner.phases
     clock = PhaseClock(step.device, len(phases))
     ended, count = step.read_state() if read_first else (False, 1)
+    first_count, stepped = count, 0  # tau so far: (count - first_count) tokens over `stepped` steps
     shown, stopped = 0, False
     while True:
         if on_read is not None and (read_first or count > 1):
@@ -232,7 +240,13 @@ def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_
             shown = count
         if ended:
             return clock.totals()
-        for _ in range(max(1, min(read_every, step.max_new_tokens - count))):
+        # A plain step makes one token, a speculative one about tau: planning ceil(tokens left /
+        # tau so far) steps (integer arithmetic, tau at least 1) reaches the cap without the steps
+        # past it that min(read_every, tokens left) ran, which change nothing but cost a step each.
+        left, made = step.max_new_tokens - count, max(count - first_count, stepped)
+        planned = max(1, min(read_every, -(-left * stepped // made) if stepped else left))
+        stepped += planned
+        for _ in range(planned):
             if step.sampling is not None:
                 step.uniforms.uniform_(generator=step.generator)
             clock.mark()
@@ -246,13 +260,35 @@ def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_
 # drafter's mode) and reused across prompts: allocating the caches and capturing the graphs is
 # paid once. Prompt capacity grows in multiples of CAPACITY_STEP.
 CAPACITY_STEP = 256
-_STEPS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+STEPS_ATTRIBUTE = "_dflash_decode_steps"
+
+
+class StepCache(dict):
+    """An owner's kept steps, by key: (step, runner). It lives in the owner's own `__dict__`, not
+    in a module-level table keyed by the owner: a step holds its model, so a table's entry would
+    keep its key alive for the life of the process (a WeakKeyDictionary included), while owner ->
+    cache -> step -> owner is a cycle the garbage collector frees with the owner. A copy or a
+    pickle of the owner starts with no steps (caches and graphs are the device's, not data)."""
+
+    def __deepcopy__(self, memo):
+        return StepCache()
+
+    def __reduce__(self):
+        return StepCache, ()
+
+
+def steps_of(owner) -> StepCache:
+    """The steps `owner` keeps (none yet: an empty cache, now kept on it)."""
+    steps = vars(owner).get(STEPS_ATTRIBUTE)
+    if steps is None:  # written into __dict__ itself: a frozen dataclass or a Module's __setattr__ is not involved
+        steps = vars(owner)[STEPS_ATTRIBUTE] = StepCache()
+    return steps
 
 
 def cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, build):
     """(the step of `owner` and `key` that holds this prompt and answer, its graph runner): the
     kept one, or one `build(capacity, answer_capacity)` makes at rounded-up sizes."""
-    steps = _STEPS.setdefault(owner, {})
+    steps = steps_of(owner)
     entry = steps.get(key)
     if entry is None or entry[0].capacity < prompt_length or entry[0].answer_capacity < max_new_tokens:
         def rounded(n):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_pipeline.decoding.loop import StepRecord, cached_step, run_prompt
+from dflash_pipeline.decoding.loop import StepRecord, cached_step, run_prompt, steps_of
 from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.decoding.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
@@ -97,13 +97,10 @@ class StaticDraftCache:
 
 def stored_features(features: torch.Tensor, feature_dtype: str) -> torch.Tensor:
     """Live target features rounded exactly as the shards store them, so the drafter sees at
-    inference what it saw in training."""
-    from dflash_pipeline.data.shards import decode_features, encode_features
+    inference what it saw in training: on the device (bf16 and fp8 alike), so capture can keep it."""
+    from dflash_pipeline.data.shards import round_as_stored
 
-    if feature_dtype == "bf16":  # the shards' bf16 is exactly this rounding; stays on the device
-        return features.to(torch.bfloat16)
-    values, scales = encode_features(features, feature_dtype)
-    return decode_features(values, scales, features.shape[-1], feature_dtype).to(features.device)
+    return round_as_stored(features, feature_dtype)
 
 
 def accept_greedy(choice: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, depth: int):
@@ -392,7 +389,11 @@ class Speculation:
         """`engine.speculative_decode` of one prompt on the static step (a `DecodeRun`): greedy, or
         a sampled chain under `sampling` (its rule, temperature and seed)."""
         sampling_key = None if sampling is None else (sampling.temperature, sampling.rule, sampling.top_k, sampling.top_p)
-        key = (id(model), tuple(sorted(eos_ids)), feature_dtype, bf16, sampling_key)
+        layout = self.drafter.draft_layout  # a draft vocabulary of another length makes every kept step stale
+        key = (id(model), tuple(sorted(eos_ids)), feature_dtype, bf16, sampling_key, layout)
+        steps = steps_of(self)
+        for stale in [kept for kept in steps if kept[-1] != layout]:
+            del steps[stale]
 
         def build(capacity, answer_capacity):
             return SpeculativeStep(model, self.drafter, self.head, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids,

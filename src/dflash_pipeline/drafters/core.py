@@ -303,7 +303,11 @@ class DFlashDrafter(nn.Module):
         # (`train.train_vocab: data`). A small draft vocabulary makes the head, most of a small
         # drafter's cost, that much cheaper; verification by the target keeps decoding lossless.
         self.register_buffer("draft_vocab", torch.zeros(0, dtype=torch.long))
-        self._draft_rows: tuple | None = None  # (key, head rows) cache for `draft_head_weight`
+        self._draft_rows: tuple | None = None  # (key, head rows, head weight) cache for `draft_head_weight`
+        # A captured draft graph reads `draft_vocab` and the cached head rows at fixed addresses, so
+        # a new vocabulary of the same length is copied into them; one of another length cannot
+        # be, and bumps `draft_layout`, on which kept speculative steps are keyed.
+        self.draft_layout = 0
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList([DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -323,15 +327,41 @@ class DFlashDrafter(nn.Module):
             state_dict = {**state_dict, "feature_scale": torch.ones_like(self.feature_scale)}
         # The draft vocabulary's length is the stored one's (none stored: the whole vocabulary).
         draft_vocab = state_dict.get("draft_vocab", torch.zeros(0, dtype=torch.long))
-        self.draft_vocab = torch.zeros_like(draft_vocab, device=self.draft_vocab.device)
-        self._draft_rows = None
-        return super().load_state_dict({**state_dict, "draft_vocab": draft_vocab}, strict=strict, assign=assign)
+        if draft_vocab.numel() != self.draft_vocab.numel():  # same length: loaded in place, below
+            self._new_draft_layout(torch.zeros_like(draft_vocab, device=self.draft_vocab.device))
+        result = super().load_state_dict({**state_dict, "draft_vocab": draft_vocab}, strict=strict, assign=assign)
+        if assign:  # the state's own tensors replace the module's: nothing a graph read is current
+            self._new_draft_layout(self.draft_vocab)
+        self._refresh_draft_rows()
+        return result
 
     def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Draft over these token ids only (None or empty: the whole vocabulary)."""
         ids = torch.zeros(0, dtype=torch.long) if token_ids is None else torch.unique(token_ids.long().cpu())
-        self.draft_vocab = ids.to(self.draft_vocab.device)
+        if ids.numel() == self.draft_vocab.numel():
+            self.draft_vocab.copy_(ids)
+        else:
+            self._new_draft_layout(ids.to(self.draft_vocab.device))
+        self._refresh_draft_rows()
+
+    def _new_draft_layout(self, draft_vocab: torch.Tensor) -> None:
+        """A draft vocabulary of another length: new tensors, and steps built for the old one are stale."""
+        self.draft_vocab = draft_vocab
         self._draft_rows = None
+        self.draft_layout += 1
+
+    def _refresh_draft_rows(self) -> None:
+        """The cached head rows rewritten in place for the current draft vocabulary (their length is
+        its length: a new layout dropped them), so a graph that reads them reads the new rows."""
+        if self._draft_rows is None:
+            return
+        key, rows, weight = self._draft_rows
+        if self.has_draft_vocab and weight.data_ptr() == key[0] and rows.shape[0] == self.draft_vocab.numel():
+            with torch.no_grad():
+                rows.copy_(weight[self.draft_vocab.to(weight.device)])
+            self._draft_rows = (self._draft_rows_key(weight), rows, weight)
+        else:
+            self._draft_rows = None
 
     @property
     def has_draft_vocab(self) -> bool:
@@ -342,10 +372,13 @@ class DFlashDrafter(nn.Module):
         weight = head.lm_head_weight
         if not self.has_draft_vocab:
             return weight
-        key = (weight.data_ptr(), weight.device, weight.dtype, self.draft_vocab.data_ptr(), self.draft_vocab.numel())
+        key = self._draft_rows_key(weight)
         if self._draft_rows is None or self._draft_rows[0] != key:
-            self._draft_rows = (key, weight[self.draft_vocab.to(weight.device)].contiguous())
+            self._draft_rows = (key, weight[self.draft_vocab.to(weight.device)].contiguous(), weight)
         return self._draft_rows[1]
+
+    def _draft_rows_key(self, weight: torch.Tensor) -> tuple:
+        return (weight.data_ptr(), weight.device, weight.dtype, self.draft_vocab.data_ptr(), self.draft_vocab.numel())
 
     @property
     def token_columns(self) -> TokenColumns:

@@ -90,6 +90,14 @@ class EndToEnd:
     verify_tokens: int | None = None  # a greedy chain: drafted tokens verified per step
     forward_cost_steps: list[float] = field(default_factory=list)  # the measured target forward of 1.. tokens, when planned
     expected_tokens_per_step_cost: list[float] = field(default_factory=list)  # the plan's rate per verify length
+    # The same decodes with each prompt's prefill left out on both sides alike (it makes the first
+    # token, the rest are decode steps): tokens after the first over the seconds after the prefill.
+    # `speedup` above keeps the prefill, as every earlier record did, so records stay comparable.
+    decode_speedup: float | None = None
+    plain_decode_tokens_per_s: float | None = None
+    spec_decode_tokens_per_s: float | None = None
+    plain_prefill_ms: float | None = None  # mean per prompt
+    spec_prefill_ms: float | None = None  # mean per prompt
 
     @property
     def near_tie_mismatches(self) -> int:

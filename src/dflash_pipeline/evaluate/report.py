@@ -70,7 +70,11 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
         figures = {"prompts": run.prompts, **interval("tau", run.tau), "speedup": run.speedup, "acceptance_rate": run.acceptance_rate,
                    "plain_tokens_per_s": run.plain_tokens_per_s, "spec_tokens_per_s": run.spec_tokens_per_s,
                    "decode_step_ms": run.decode_step_ms, "verify_cost_steps": run.verify_cost_steps, "draft_cost_steps": run.draft_cost_steps,
-                   "break_even_tau": run.break_even_tau, "time": asdict(run.time)}
+                   "break_even_tau": run.break_even_tau, "time": asdict(run.time),
+                   # the prefill left out on both sides (`EndToEnd.decode_speedup`), and apart
+                   "decode_speedup": run.decode_speedup, "plain_decode_tokens_per_s": run.plain_decode_tokens_per_s,
+                   "spec_decode_tokens_per_s": run.spec_decode_tokens_per_s, "plain_prefill_ms": run.plain_prefill_ms,
+                   "spec_prefill_ms": run.spec_prefill_ms}
         if run.lossless_rate is not None:  # greedy: checked token for token against plain decoding
             figures.update(lossless_rate=run.lossless_rate, near_tie_mismatches=run.near_tie_mismatches,
                            mismatches=[asdict(mismatch) for mismatch in run.mismatches])
@@ -172,7 +176,9 @@ def write_outputs(result, *, out_dir: Path, metrics_path: Path, plots_dir: Path)
     with atomic_path(out_dir / "blocks.parquet") as tmp:
         pd.concat(frames).to_parquet(tmp, index=False)
     e2e_detail = [{"prompt_id": r.prompt_id, "plain_tokens": len(r.plain.tokens), "plain_seconds": round(r.plain.seconds, 4),
-                   **{name: {"tokens": len(run.tokens), "seconds": round(run.seconds, 4), "steps": run.steps,
+                   "plain_prefill_seconds": round(r.plain.prefill_seconds, 4),
+                   **{name: {"tokens": len(run.tokens), "seconds": round(run.seconds, 4), "prefill_seconds": round(run.prefill_seconds, 4),
+                             "steps": run.steps,
                              "identical": run.tokens == r.plain.tokens} for name, run in r.speculative.items()}}
                   for r in result.e2e_results]
     write_metrics(out_dir / "e2e.json", {"prompts": e2e_detail})
