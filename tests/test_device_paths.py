@@ -16,7 +16,8 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 | synchronised timing | devices.synchronize / timed (engine, bench/*) | tests/test_devices.py::test_timing_helper (CPU: no-op sync) |
 | `non_blocking=True` copies | blocks.Batch.to | every train test (a plain copy on CPU); pinned memory is not used |
 | NCCL process group, `cuda:LOCAL_RANK` | train._init_distributed, capture | NOT on CPU: the same code with gloo runs in test_train / test_capture |
-| `bench/gpu.py` | bench | test_gpu_bench_dry_run (toy sizes, CPU) |
+| `bench/gpu.py` | bench | test_gpu_bench_dry_run (toy sizes, CPU), test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest |
+| `bench/gpu_probe.py`, `bench/gpu_check.sh` | bench | test_gpu_probe_dry_run, test_gpu_check_dry_run_prints_every_figure_of_the_check |
 """
 
 import json
@@ -251,12 +252,65 @@ def test_gpu_bench_dry_run(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     figures = json.loads(out.read_text())
     assert "section_errors" not in figures, figures["section_errors"]
-    assert figures["sections_done"] == ["decode", "capture / forward", "train step", "train + evaluate", "scoring"]
+    assert figures["sections_done"] == ["data", "decode", "capture / forward", "train step", "train + evaluate", "scoring"]
+    assert set(figures["section_seconds"]) == set(figures["sections_done"]) and figures["limits_s"]["train"] > 0
     assert figures["decode_step_ms_batch1"] > 0 and figures["decode_static_vs_transformers_batch"] > 0
     for key in ("capture_vs_forward", "train_tokens_per_s", "train_mfu", "flex_vs_sdpa_step", "batched_vs_one_block",
-                "e2e_speedup", "verify_cost_decode_steps", "pipeline_tau", "scoring_vs_host_dense_mask", "train_host_prepare_ms"):
+                "e2e_speedup", "verify_cost_decode_steps", "pipeline_tau", "scoring_vs_host_dense_mask", "train_host_prepare_ms",
+                "capture_gpu_path_vs_forward", "writer_vs_disk", "capture_stage_tokens_per_s", "decode_setup_ms_batch1",
+                "pipeline_train_steps"):
         assert key in figures, key
     assert set(figures["train_variants"]) == {"sdpa", "sdpa-compiled"}  # the compiled step runs (inductor on the CPU)
     assert figures["e2e_lossless_rate"] == 1.0 and figures["pipeline_tau"] >= 1.0
     assert figures["scoring_same_tau_as_host_dense_mask"] is True
     assert "capture / forward" in result.stdout
+
+
+@pytest.mark.subprocess
+def test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest(tmp_path):
+    """A part past its time limit loses its own figures only: here the train section, given 1 s."""
+    out = tmp_path / "gpu.json"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu.py"), "--dry-run", "--work", str(tmp_path / "work"),
+                             "--sections", "train,evaluate", "--limit", "train=1", "--json", str(out)],
+                            cwd=tmp_path, env=stage_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(out.read_text())
+    assert figures["sections_done"] == ["data", "train + evaluate"]
+    assert "limit of 1 s" in figures["section_errors"]["train step"] or "train_variant_errors" in figures
+    assert figures["e2e_lossless_rate"] == 1.0
+
+
+@pytest.mark.subprocess
+def test_gpu_probe_dry_run(tmp_path):
+    """The probe of the decoding engine at toy sizes on the CPU: every part gives its figures."""
+    out = tmp_path / "probe.json"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu_probe.py"), "--dry-run", str(out)],
+                            cwd=tmp_path, env=stage_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(out.read_text())
+    for part in ("attention", "plain_shipped", "plain_cudnn_on", "phases_plain", "phases_chain", "phases_tree8", "phases_sampled",
+                 "flex", "compiled_b1"):
+        assert "error" not in figures[part], (part, figures[part])
+    assert figures["plain_shipped"]["b1"]["ms_per_step"] > 0 and figures["compiled_b1"]["compiled_ms"] > 0
+    assert set(figures["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
+    assert figures["graph_fallbacks"] == 0 and result.stdout.rstrip().splitlines()[-1].startswith("PROBE {")
+
+
+@pytest.mark.subprocess
+def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
+    """bench/gpu_check.sh's two calls at toy sizes on the CPU: the last line is CHECK {...} with the
+    figures of issue #37's table, the decode step's attention backend and the fallback counts."""
+    env = {**stage_env(), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(REPO_ROOT / "bench" / "gpu_check.sh"), "dry-run"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    last = result.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("CHECK {"), result.stdout
+    check = json.loads(last[len("CHECK "):])
+    assert check == json.loads((tmp_path / "out" / "check.json").read_text())
+    assert check["errors"] == {}, check["errors"]
+    for key in ("capture_gpu_path_vs_forward", "writer_vs_disk", "capture_stage_tokens_per_s", "train_tokens_per_s",
+                "e2e_speedup", "bench_seconds"):
+        assert isinstance(check[key], (int, float)) and check[key] > 0, key
+    assert check["decode_attention_backend"]["b1"] and set(check["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
+    assert check["graph_fallbacks"] == 0 and check["cudagraph_skips"] == 0 and "train_compiled_mfu" in check
