@@ -51,7 +51,7 @@ check = {
     "capture_stage_tokens_per_s": G.get("capture_stage_tokens_per_s"), "capture_stage_vs_bound": G.get("capture_stage_vs_bound"),
     "train_compiled_mfu": G.get("train_compiled_mfu"), "train_tokens_per_s": G.get("train_tokens_per_s"),
     "train_host_prepare_ms": G.get("train_host_prepare_ms"), "train_step_ms": G.get("train_step_ms"),
-    "e2e_speedup": G.get("e2e_speedup"), "e2e_best_speedup": G.get("e2e_best_speedup"), "e2e_tau": G.get("e2e_tau"),
+    "e2e_speedup": G.get("e2e_speedup"), "e2e_decode_speedup": G.get("e2e_decode_speedup"), "e2e_best_speedup": G.get("e2e_best_speedup"), "e2e_tau": G.get("e2e_tau"),
     "e2e_lossless_rate": G.get("e2e_lossless_rate"), "pipeline_tau": G.get("pipeline_tau"),
     "bench_seconds": G.get("total_seconds"), "bench_section_seconds": G.get("section_seconds"),
     "generate_tokens_per_s": G.get("generate_tokens_per_s"), "decode_step_ms_batch1": G.get("decode_step_ms_batch1"),

@@ -310,7 +310,7 @@ def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
     assert check == json.loads((tmp_path / "out" / "check.json").read_text())
     assert check["errors"] == {}, check["errors"]
     for key in ("capture_gpu_path_vs_forward", "writer_vs_disk", "capture_stage_tokens_per_s", "train_tokens_per_s",
-                "e2e_speedup", "bench_seconds"):
+                "e2e_speedup", "e2e_decode_speedup", "bench_seconds"):
         assert isinstance(check[key], (int, float)) and check[key] > 0, key
     assert check["decode_attention_backend"]["b1"] and set(check["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
     assert check["graph_fallbacks"] == 0 and check["cudagraph_skips"] == 0 and "train_compiled_mfu" in check
