@@ -41,7 +41,7 @@ def _plain_forward(model, batches, pad_id):
 
 
 def _capture(model, tap, batches, pad_id, folder: Path, width: int):
-    from dflash_pipeline.capture import forward_batch
+    from dflash_pipeline.capture.run import forward_batch
     from dflash_pipeline.data.shards import ShardWriter
 
     writer = ShardWriter(folder / "shard-00000.arrow", feature_dtype="bf16", feature_width=width)
@@ -113,7 +113,7 @@ def _read_all_files(folder: Path, order, staging=None):
 
 
 def _first_sample_seconds(read_first) -> float:
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.foundation.devices import timed
 
     return timed(read_first, "cpu")[1]
 
@@ -127,10 +127,10 @@ def _first_sample_seconds(read_first) -> float:
 def main(target_json, generated, count, rounds, scratch):
     import torch
 
-    from dflash_pipeline.capture import load_sequences, plan_shards
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.capture.run import load_sequences, plan_shards
+    from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.target.load import LayerTap, build_target_layer_ids
-    from dflash_pipeline.files import sha256_file
+    from dflash_pipeline.foundation.files import sha256_file
     from dflash_pipeline.data.shards import bytes_per_token, open_split
     from dflash_pipeline.target.load import TargetInfo, load_target
 

@@ -62,8 +62,8 @@ def forward_seconds(model, batches, *, pad_id: int, top_k: int, logits_chunk: in
     the stage never does and which slows the baseline, flattering the ratio."""
     import torch
 
-    from dflash_pipeline.capture import _head_outputs
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.capture.run import _head_outputs
+    from dflash_pipeline.foundation.devices import timed
 
     device = _device(model)
 
@@ -79,8 +79,8 @@ def forward_seconds(model, batches, *, pad_id: int, top_k: int, logits_chunk: in
 def gpu_path(model, tap, batches, *, pad_id: int, top_k: int, feature_dtype: str) -> tuple[list, float]:
     """(captured batches, seconds) of `capture_batch` + `wait` over `batches`, no writer: the
     stage's forward -> host copy path alone. The batches stay in host memory for `writer_seconds`."""
-    from dflash_pipeline.capture import capture_batch
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.capture.run import capture_batch
+    from dflash_pipeline.foundation.devices import timed
 
     def run():
         captured = [capture_batch(model, tap, batch, pad_id=pad_id, top_k=top_k, feature_dtype=feature_dtype) for batch in batches]
@@ -94,7 +94,7 @@ def writer_seconds(plan, sequences, numbers: list[int], captured_by_batch: dict,
     """(seconds, bytes written) of the stage's writer writing shards `numbers` of `plan` into a
     fresh subfolder of `folder` (removed after) from batches captured before
     (`captured_by_batch`: tuple of sequence ids -> CapturedBatch), with `writer_threads` threads."""
-    from dflash_pipeline.capture import write_planned_shards
+    from dflash_pipeline.capture.run import write_planned_shards
 
     out = Path(tempfile.mkdtemp(prefix="writer-", dir=folder))
     try:
@@ -143,8 +143,8 @@ def capture_figures(model, plan, sequences, layer_ids: list[int], *, pad_id: int
     of each part first. `folder` is where shards and the disk probe are written (the stage's
     output disk); everything written there is removed. `writer_threads` None: the stage's default
     for the model's device. Keys: see the module docstring; all rates are per second, GB = 1e9 B."""
-    from dflash_pipeline.capture import _write_shards, default_writer_threads
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.capture.run import _write_shards, default_writer_threads
+    from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.target.load import LayerTap
 
     folder = Path(folder)
@@ -218,8 +218,8 @@ def main(dry_run, target_json, generated, device, writer_threads, max_batches, d
 
     import torch
 
-    from dflash_pipeline.capture import SplitPlan, load_sequences, resolve_layer_ids
-    from dflash_pipeline.config import CaptureConfig, TargetConfig
+    from dflash_pipeline.capture.run import SplitPlan, load_sequences, resolve_layer_ids
+    from dflash_pipeline.foundation.config import CaptureConfig, TargetConfig
     from dflash_pipeline.target.load import TargetInfo, load_target, prepare_target
 
     device = device or ("cuda" if torch.cuda.is_available() and not dry_run else "cpu")

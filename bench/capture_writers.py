@@ -39,7 +39,7 @@ sys.path.insert(1, str(REPO_ROOT / "bench"))
 def baseline_capture_module(ref: str, scratch: Path):
     """The capture module as it is at git `ref`, imported under another name; the other modules
     it imports are this checkout's (the writer change touches capture.py alone)."""
-    source = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:src/dflash_pipeline/capture.py"], check=True,
+    source = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:src/dflash_pipeline/capture/run.py"], check=True,
                             capture_output=True, text=True).stdout
     path = scratch / "capture_baseline.py"
     path.write_text(source)
@@ -70,8 +70,8 @@ def main(target_json, generated, fabricate, count, rounds, shard_mb, threads, ba
 
     import torch
 
-    from dflash_pipeline import capture
-    from dflash_pipeline.config import CaptureConfig
+    from dflash_pipeline.capture import run as capture
+    from dflash_pipeline.foundation.config import CaptureConfig
     from dflash_pipeline.target.load import LayerTap, TargetInfo, load_target
 
     own_scratch = scratch is None

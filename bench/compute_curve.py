@@ -35,9 +35,9 @@ def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every
     from dataclasses import replace
 
     from dflash_pipeline.drafters.checkpoints import list_checkpoints
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.evaluate.run import decode_end_to_end, load_candidates, score_candidates, sequence_categories
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.foundation.files import read_json
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import TargetInfo, load_target_head
 

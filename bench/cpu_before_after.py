@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = r'''
 import json, sys, time
 from pathlib import Path
-from dflash_pipeline.capture import run_capture
-from dflash_pipeline.config import load_params
+from dflash_pipeline.capture.run import run_capture
+from dflash_pipeline.foundation.config import load_params
 from dflash_pipeline.target.load import TargetInfo
 from dflash_pipeline.train.run import run_train
 from dataclasses import replace
@@ -79,8 +79,8 @@ def _worker(tree: Path, work: Path, name: str, params: Path, target_json: Path, 
 def main(baseline, target_json, sequences, steps, rounds, out_path):
     import yaml
 
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.devices import machine_description
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.foundation.devices import machine_description
     from dflash_pipeline.target.load import prepare_target
 
     commit = subprocess.run(["git", "rev-parse", "--short", baseline], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()

@@ -57,7 +57,7 @@ def load_decoding_setup(checkpoint, hidden: Path, generated: Path, target_json: 
     from dflash_pipeline.decoding.session import open_session
     from dflash_pipeline.drafters.checkpoints import load_checkpoint
     from dflash_pipeline.evaluate.run import val_prompts
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.foundation.files import read_json
     from dflash_pipeline.target.load import TargetInfo
 
     target = TargetInfo.from_json(target_json)

@@ -71,8 +71,8 @@ def main(target_json, generated, batches, steps, rounds, json_path):
     import torch
 
     from dflash_pipeline.decoding.static_decoder import StaticDecoder
-    from dflash_pipeline.devices import machine_description
-    from dflash_pipeline.generate import left_padded
+    from dflash_pipeline.foundation.devices import machine_description
+    from dflash_pipeline.generate.run import left_padded
     from dflash_pipeline.target.load import TargetInfo, load_target
 
     target = TargetInfo.from_json(target_json)

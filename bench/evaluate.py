@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
     """Seconds in the drafter forwards, the head's matmul and the logits' scoring (one batched run)."""
     from dflash_pipeline.evaluate import scoring as scoring
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.drafters.core import DFlashDrafter
 
     spent = {"drafter forwards": 0.0, "head matmul": 0.0, "scoring (top-k, log-sum-exp, trees)": 0.0}
@@ -67,9 +67,9 @@ def main(checkpoint, hidden, target_json, params_path, sequences, device):
     import numpy as np
     import torch
 
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.devices import timed
-    from dflash_pipeline.evaluate.scoring import score_teacher_forced
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.foundation.devices import timed
+    from dflash_pipeline.measure.scoring import score_teacher_forced
     from decoding_setup import host_oracles
 
     host_oracles()

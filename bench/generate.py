@@ -23,8 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _throughput(model, prompts, *, batch_size, max_new_tokens, eos_ids, pad_id):
-    from dflash_pipeline.devices import timed
-    from dflash_pipeline.generate import greedy_generate
+    from dflash_pipeline.foundation.devices import timed
+    from dflash_pipeline.generate.run import greedy_generate
 
     def generate_all():
         return sum(len(answer.token_ids)
@@ -46,7 +46,7 @@ def _throughput(model, prompts, *, batch_size, max_new_tokens, eos_ids, pad_id):
 def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, rounds, engines):
     import torch
 
-    from dflash_pipeline.generate import render_prompt
+    from dflash_pipeline.generate.run import render_prompt
     from dflash_pipeline.data.prompts import read_prompts
     from dflash_pipeline.target.load import TargetInfo, load_target
 
@@ -75,8 +75,8 @@ def compare_engines(model, prompts, *, max_new_tokens, eos_ids, pad_id, rounds):
     import json
     import time
 
-    from dflash_pipeline.devices import machine_description, timed
-    from dflash_pipeline.generate import static_greedy_generate
+    from dflash_pipeline.foundation.devices import machine_description, timed
+    from dflash_pipeline.generate.run import static_greedy_generate
     from decoding_setup import host_oracles
 
     host_oracles()

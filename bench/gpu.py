@@ -61,8 +61,8 @@ def make_data(work: Path, params, *, target_model: str, prompts: int, max_new_to
               fabricated: bool = False) -> dict:
     """Section 1: the target, generate (or a fabricated generate output) and capture stages into
     `work`: {target, capture_config, figures}."""
-    from dflash_pipeline.capture import run_capture
-    from dflash_pipeline.generate import run_generate
+    from dflash_pipeline.capture.run import run_capture
+    from dflash_pipeline.generate.run import run_generate
     from dflash_pipeline.data.prompts import read_prompts
     from dflash_pipeline.target.load import TargetInfo, prepare_target
 
@@ -103,7 +103,7 @@ def capture_vs_forward(work: Path, target, capture_config, *, device: str, max_b
     sys.path.insert(0, str(REPO_ROOT / "bench"))
     from capture_figures import capture_figures
 
-    from dflash_pipeline.capture import SplitPlan, load_sequences, resolve_layer_ids
+    from dflash_pipeline.capture.run import SplitPlan, load_sequences, resolve_layer_ids
     from dflash_pipeline.target.load import load_target
 
     model, tokenizer = load_target(target, device=device)
@@ -130,7 +130,7 @@ def train_step_figures(work: Path, target, train_config, *, device: str, steps: 
     warm-up steps (the compile, when compiled), `steps` timed steps. The host's batch building
     alone is timed apart (`host_prepare_ms`): above the step time it is what bounds the stage.
     Each variant runs in its own try under its own time limit: one that fails loses its row."""
-    from dflash_pipeline.devices import bf16_peak_tflops, timed
+    from dflash_pipeline.foundation.devices import bf16_peak_tflops, timed
     from dflash_pipeline.drafters.core import training_flops
     from dflash_pipeline.train.run import StepPrefetcher, prepare_step, read_back, setup_run, train_step
 
@@ -192,8 +192,8 @@ def decode_figures(work: Path, target, *, device: str, steps: int, batch: int) -
     capture, the same in both runs, cancel out and are reported apart (`setup_ms`). No EOS (an id
     no token has), so every row makes every step."""
     from dflash_pipeline.data.prompts import read_prompts
-    from dflash_pipeline.devices import timed
-    from dflash_pipeline.generate import render_prompt, static_greedy_generate
+    from dflash_pipeline.foundation.devices import timed
+    from dflash_pipeline.generate.run import render_prompt, static_greedy_generate
     from oracles.generate import dynamic_greedy_generate
     from dflash_pipeline.target.load import load_target
 
@@ -337,8 +337,8 @@ def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> 
     from dflash_pipeline.data import blocks
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.drafters.core import to_block_mask
-    from dflash_pipeline.devices import autocast, bf16_by_default, timed
-    from dflash_pipeline.evaluate.scoring import score_teacher_forced
+    from dflash_pipeline.foundation.devices import autocast, bf16_by_default, timed
+    from dflash_pipeline.measure.scoring import score_teacher_forced
     from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import load_target_head
@@ -483,7 +483,7 @@ def release_memory(device: str) -> None:
 def main(dry_run, quick, work, target_model, prompts, data, sections, train_variants, train_minutes, block_size, limits, json_path):
     import torch
 
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.config import load_params
 
     device = "cpu" if dry_run else "cuda"
     if not dry_run and not torch.cuda.is_available():

@@ -88,11 +88,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from dflash_pipeline.decoding.graphs import PhaseRunner  # noqa: E402
 from dflash_pipeline.decoding.loop import PhaseClock, PlainStep  # noqa: E402
-from dflash_pipeline.decoding.sampling import Sampling  # noqa: E402
+from dflash_pipeline.speculation.sampling import Sampling  # noqa: E402
 from dflash_pipeline.decoding import static_decoder  # noqa: E402
 from dflash_pipeline.decoding.static_decoder import use_static_sdpa  # noqa: E402
 from dflash_pipeline.decoding.static_speculation import SpeculativeStep  # noqa: E402
-from dflash_pipeline.devices import configure_attention  # noqa: E402
+from dflash_pipeline.foundation.devices import configure_attention  # noqa: E402
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_pipeline.target.load import TargetHead  # noqa: E402
 

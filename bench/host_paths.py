@@ -59,7 +59,7 @@ def main(steps, tokens_per_step, block_size, out_path):
     import torch
 
     from dflash_pipeline.data.blocks import build_batch
-    from dflash_pipeline.devices import machine_description
+    from dflash_pipeline.foundation.devices import machine_description
     from dflash_pipeline.data.shards import ShardWriter
     from reference_blocks import per_anchor_build_batch
     from reference_writer import ElementwiseShardWriter

@@ -37,8 +37,8 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import torch
 
     from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
-    from dflash_pipeline.files import read_json
-    from dflash_pipeline.decoding.sampling import Sampling
+    from dflash_pipeline.foundation.files import read_json
+    from dflash_pipeline.speculation.sampling import Sampling
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
     checkpoint, session, drafter, model = setup.checkpoint, setup.session, setup.drafter, setup.model

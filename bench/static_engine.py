@@ -40,7 +40,7 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
 
     from dflash_pipeline.decoding.loop import static_plain_decode
     from dflash_pipeline.decoding.static_speculation import Speculation
-    from dflash_pipeline.devices import machine_description
+    from dflash_pipeline.foundation.devices import machine_description
     from dflash_pipeline.target.load import LayerTap
 
     host_oracles()

@@ -32,7 +32,7 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
     """The stage's own `train_step` over `plan`, with samples from `sample(i)`."""
     import torch
 
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.drafters.build import choose_architecture
     from dflash_pipeline.train.run import TrainingRun, _loss_function, read_back, train_step
@@ -58,8 +58,8 @@ def main(hidden, target_json, steps, rounds, device):
     import torch
 
     from dflash_pipeline.train.loss import default_gamma
-    from dflash_pipeline.devices import bf16_peak_tflops
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.devices import bf16_peak_tflops
+    from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.drafters.core import DFlashDrafter, count_parameters, training_flops
     from dflash_pipeline.data.shards import Sample, open_split
     from dflash_pipeline.target.load import TargetInfo, load_target_head

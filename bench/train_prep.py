@@ -132,8 +132,8 @@ def main(rounds, steps, tokens_per_step, block_size, host_tokens, out_path):
     import torch
 
     import dflash_pipeline.train.loss as loss_module
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.devices import machine_description
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.foundation.devices import machine_description
     from dflash_pipeline.drafters.build import choose_architecture
     from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
     from dflash_pipeline.target.load import TargetHead

@@ -82,8 +82,8 @@ def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
     import torch
 
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.evaluate.scoring import comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.measure.scoring import comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import TargetInfo, load_target_head
     from dflash_pipeline.train import run as train_module

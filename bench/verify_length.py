@@ -24,9 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device):
     import torch
 
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.decoding.engine import end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end
-    from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
+    from dflash_pipeline.measure.scoring import per_slot_acceptance, score_teacher_forced
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
     checkpoint, drafter, head, model, val_set = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.val_set

@@ -33,7 +33,7 @@ from pathlib import Path
 import click
 import yaml
 
-from dflash_pipeline.config import EMBEDDED_TARGET, load_params
+from dflash_pipeline.foundation.config import EMBEDDED_TARGET, load_params
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The demo's params.yaml, over the repository's: ten prompts, 20 training steps, a small evaluation.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
+from dflash_pipeline.foundation.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
 @click.command(cls=OneLineCommand)
@@ -27,9 +27,9 @@ from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_de
 def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Path, metrics_path: Path, device: str) -> None:
     """Capture the selected target layers for the train and val splits into OUT/{train,val}/."""
     offline_by_default()
-    from dflash_pipeline.capture import run_capture
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.files import write_json_atomic, write_metrics
+    from dflash_pipeline.capture.run import run_capture
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.foundation.files import write_json_atomic, write_metrics
     from dflash_pipeline.target.load import TargetInfo
 
     config = load_params(params_path).capture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
+from dflash_pipeline.foundation.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
 @click.command(cls=OneLineCommand)
@@ -28,7 +28,7 @@ from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_de
 def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, out_dir, metrics_path, plots_dir, device):
     """Score every selected checkpoint and baseline; write eval.json, the comparison and plots."""
     offline_by_default()
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.evaluate.report import console_lines, summary_table, write_outputs
     from dflash_pipeline.evaluate.run import run_evaluate
     from dflash_pipeline.target.load import TargetInfo

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import OneLineCommand, one_line_errors
+from dflash_pipeline.foundation.runtime import OneLineCommand, one_line_errors
 
 
 @click.command(cls=OneLineCommand)
@@ -25,11 +25,11 @@ def main(params_path, best_json, out_dir):
     """Export the chosen checkpoint to OUT (config.json + model.safetensors)."""
     import torch
 
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.errors import PipelineError
-    from dflash_pipeline.export import export_checkpoint
-    from dflash_pipeline.files import check_recorded_digest, read_json
-    from dflash_pipeline.stats import format_interval
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.foundation.errors import PipelineError
+    from dflash_pipeline.export.run import export_checkpoint
+    from dflash_pipeline.foundation.files import check_recorded_digest, read_json
+    from dflash_pipeline.foundation.stats import format_interval
 
     config = load_params(params_path).export
     if best_json.is_file():

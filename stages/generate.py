@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
+from dflash_pipeline.foundation.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
 @click.command(cls=OneLineCommand)
@@ -27,10 +27,10 @@ from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_de
 def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path, metrics_path: Path, device: str) -> None:
     """Answer the first generate.max_prompts prompts greedily; resumes after an interruption."""
     offline_by_default()
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.generate import run_generate
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.generate.run import run_generate
     from dflash_pipeline.data.prompts import read_prompts
-    from dflash_pipeline.files import write_metrics
+    from dflash_pipeline.foundation.files import write_metrics
     from dflash_pipeline.target.load import TargetInfo
 
     config = load_params(params_path).generate

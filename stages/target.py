@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import OneLineCommand, offline_by_default, one_line_errors
+from dflash_pipeline.foundation.runtime import OneLineCommand, offline_by_default, one_line_errors
 
 
 @click.command(cls=OneLineCommand)
@@ -18,7 +18,7 @@ from dflash_pipeline.runtime import OneLineCommand, offline_by_default, one_line
 def main(params_path: Path, out_dir: Path) -> None:
     """Resolve `target.model` and fingerprint it into OUT/target.json."""
     offline_by_default()
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.target.load import check_watch, prepare_target
 
     params = load_params(params_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
+from dflash_pipeline.foundation.runtime import OneLineCommand, device_option, offline_by_default, one_line_errors
 
 
 @click.command(cls=OneLineCommand)
@@ -25,8 +25,8 @@ from dflash_pipeline.runtime import OneLineCommand, device_option, offline_by_de
 def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir, device):
     """Train the drafter; checkpoints go to OUT/step_NNNNNN, metrics and curves beside."""
     offline_by_default()
-    from dflash_pipeline.config import load_params
-    from dflash_pipeline.stats import format_interval
+    from dflash_pipeline.foundation.config import load_params
+    from dflash_pipeline.foundation.stats import format_interval
     from dflash_pipeline.train.report import write_train_outputs
     from dflash_pipeline.target.load import TargetInfo
     from dflash_pipeline.train.run import run_train

@@ -125,7 +125,7 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_target(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama's TargetInfo, as the `target` stage fingerprints it (its folder referenced, not copied)."""
-    from dflash_pipeline.config import TargetConfig
+    from dflash_pipeline.foundation.config import TargetConfig
     from dflash_pipeline.target.load import TargetInfo, prepare_target
 
     out = tmp_path_factory.mktemp("tiny-llama-target")
@@ -374,8 +374,8 @@ def start_then_kill_9(cmd: list[str], cwd: Path, ready, *, process_group: bool =
 @pytest.fixture(scope="session")
 def tiny_run(tiny_llama_dir, tmp_path_factory):
     """Target fingerprint + captured shards of fabricated sequences on the tiny Llama."""
-    from dflash_pipeline.capture import run_capture
-    from dflash_pipeline.config import CaptureConfig, TargetConfig
+    from dflash_pipeline.capture.run import run_capture
+    from dflash_pipeline.foundation.config import CaptureConfig, TargetConfig
     from dflash_pipeline.target.load import TargetInfo, prepare_target
 
     root = tmp_path_factory.mktemp("train")

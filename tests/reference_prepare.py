@@ -7,7 +7,7 @@ bench/train_prep.py)."""
 import torch
 
 from dflash_pipeline.data.blocks import Batch, draw_anchors
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.train.loss import TrainingTargets, decay_weights
 
 

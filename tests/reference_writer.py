@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_pipeline.data.shards import ShardInfo, encode_features, sha256_record_path, shard_schema
-from dflash_pipeline.files import sha256_file, write_text_atomic
+from dflash_pipeline.foundation.files import sha256_file, write_text_atomic
 
 
 class ElementwiseShardWriter:

@@ -13,7 +13,7 @@ from dflash_pipeline.data.blocks import (
     valid_anchors,
 )
 from dflash_pipeline.data.shards import Sample
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.train.loss import training_targets
 
 

@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from dflash_pipeline.config import TrainConfig
+from dflash_pipeline.foundation.config import TrainConfig
 from dflash_pipeline.drafters.build import choose_mask_token, drafter_config_for, new_drafter
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.folder import read_tensors
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT, folder_bytes, run, start_then_kill_9, write_generated
-from dflash_pipeline.capture import Sequence, forward_batch, load_sequences, plan_shards
+from dflash_pipeline.capture.run import Sequence, forward_batch, load_sequences, plan_shards
 from dflash_pipeline.target.load import LayerTap
-from dflash_pipeline.config import CaptureConfig, TargetConfig
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.config import CaptureConfig, TargetConfig
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.data.prompts import GENERATED_SCHEMA
 from dflash_pipeline.data.shards import Manifest, open_split, verify_split
 from dflash_pipeline.target.load import TargetInfo, load_target, prepare_target
@@ -185,7 +185,7 @@ def test_refuses_to_start_without_disk_space(tiny, tmp_path, monkeypatch):
     import shutil as shutil_module
     from collections import namedtuple
 
-    from dflash_pipeline import capture
+    from dflash_pipeline.capture import run as capture
 
     info, _, _ = tiny
     generated = write_generated(tmp_path / "generated", {"train": 4, "val": 2})
@@ -206,7 +206,7 @@ def test_refuses_to_start_without_disk_space(tiny, tmp_path, monkeypatch):
     ],
 )
 def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):
-    from dflash_pipeline import capture
+    from dflash_pipeline.capture import run as capture
 
     info, _, _ = tiny
     generated = write_generated(tmp_path / "generated", {"train": 2, "val": 1})
@@ -215,7 +215,7 @@ def test_bad_layer_choices_are_refused(tiny, tmp_path, config, message):
 
 
 def test_a_split_without_sequences_is_refused_before_the_target_loads(tiny, tmp_path, monkeypatch):
-    from dflash_pipeline import capture
+    from dflash_pipeline.capture import run as capture
     from dflash_pipeline.target import load
 
     info, _, _ = tiny
@@ -250,7 +250,7 @@ def test_a_corrupted_shard_is_rebuilt_not_recorded(tiny, tmp_path, capsys, monke
     out = tmp_path / "hidden"
 
     def capture():
-        from dflash_pipeline.capture import run_capture
+        from dflash_pipeline.capture.run import run_capture
 
         capsys.readouterr()
         run_capture(config, target=info, generated_dir=generated, out_dir=out, device="cpu")

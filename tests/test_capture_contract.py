@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.capture import Sequence, capture_batch, forward_batch
+from dflash_pipeline.capture.run import Sequence, capture_batch, forward_batch
 from dflash_pipeline.data.shards import ShardWriter, recorded_sha256
 from reference_writer import ElementwiseShardWriter
 from test_step_contract import DeviceReads

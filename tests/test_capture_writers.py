@@ -10,11 +10,11 @@ import threading
 import pytest
 
 from conftest import REPO_ROOT, write_generated
-from dflash_pipeline import capture
-from dflash_pipeline.config import CaptureConfig
+from dflash_pipeline.capture import run as capture
+from dflash_pipeline.foundation.config import CaptureConfig
 from dflash_pipeline.data import shards
 from dflash_pipeline.data.shards import ShardWriter, recorded_sha256, verify_split
-from dflash_pipeline.files import sha256_file
+from dflash_pipeline.foundation.files import sha256_file
 
 # 777 B/token (4 taps x 64 wide in bf16, top-32): ~1,350 tokens per 1 MiB shard, several shards per split.
 CONFIG = CaptureConfig(layer_ids=[0, 1, 2, 3], shard_mb=1, batch_tokens=512)
@@ -175,7 +175,7 @@ def test_the_default_writer_count_is_inline_on_a_cpu_and_threads_on_a_gpu():
 def test_capture_figures_run_on_the_cpu_and_give_every_figure(tiny_llama_target, generated, tmp_path):
     """bench/capture_figures.py on the tiny target: every key bench/gpu.py reads is there, and
     positive and finite (what the figures are is the bench's to report, not this test's)."""
-    from dflash_pipeline.capture import SplitPlan, load_sequences
+    from dflash_pipeline.capture.run import SplitPlan, load_sequences
     from dflash_pipeline.target.load import load_target
 
     spec = importlib.util.spec_from_file_location("capture_figures", REPO_ROOT / "bench" / "capture_figures.py")

@@ -21,8 +21,8 @@ from dflash_pipeline.drafters.checkpoints import (
     step_folder,
 )
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import sha256_file
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import sha256_file
 
 
 def tiny_drafter(seed=0) -> DFlashDrafter:

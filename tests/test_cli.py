@@ -17,8 +17,8 @@ from click.testing import CliRunner
 
 from conftest import REPO_ROOT, flip_a_byte, stage_env
 from dflash_pipeline.cli import main
-from dflash_pipeline.config import CaptureConfig, TargetConfig, TrainConfig
-from dflash_pipeline.export import export_checkpoint
+from dflash_pipeline.foundation.config import CaptureConfig, TargetConfig, TrainConfig
+from dflash_pipeline.export.run import export_checkpoint
 from dflash_pipeline.drafters.serving import PROVENANCE_FILE, load_dflash_drafter
 from dflash_pipeline.target.load import TargetInfo, prepare_target
 from dflash_pipeline.drafters.checkpoints import load_checkpoint
@@ -53,7 +53,7 @@ def write_cycle_generated(folder: Path, rows_per_split: dict[str, int], seed: in
 def tiny(tiny_llama_dir, tmp_path_factory):
     """Target fingerprint, generated val prompts, captured shards and one checkpoint (step 4) on the
     tiny Llama, plus a float32 export of that checkpoint."""
-    from dflash_pipeline.capture import run_capture
+    from dflash_pipeline.capture.run import run_capture
     from dflash_pipeline.train.run import run_train
 
     root = tmp_path_factory.mktemp("cli")
@@ -155,7 +155,7 @@ def test_the_device_option_appears_on_the_decoding_commands():
 
 
 def test_generate_defaults_are_params_yaml_values():
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.config import load_params
 
     params = load_params(REPO_ROOT / "params.yaml")
     defaults = {p.name: p.default for p in main.commands["generate"].params}
@@ -247,8 +247,8 @@ def test_verify_checks_a_whole_run_and_repair_removes_what_is_damaged(tiny, tmp_
 def test_a_damaged_val_parquet_is_refused_by_evaluate_in_one_line(tiny, tmp_path):
     # evaluate read val.parquet (prompt categories, end-to-end prompts) without a check, and the
     # command's --prompts read only its schema: a flipped bit in it was scored as if valid.
-    from dflash_pipeline.config import EvaluateConfig
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.config import EvaluateConfig
+    from dflash_pipeline.foundation.errors import PipelineError
     from dflash_pipeline.evaluate.run import run_evaluate
     val = Path(shutil.copy(tiny.generated / "val.parquet", tmp_path / "val.parquet"))
     # generate's record of it (`sha256sum -c` format), spelled out here
@@ -598,7 +598,7 @@ def test_generate_without_an_evaluate_record_keeps_the_whole_chain_and_says_so(t
                                                ({"tree_budget": 8}, "best_mode: mode 'tree4' and tree_budget 8 disagree"),
                                                ({"speedups": [1.0]}, "best_mode.speedups is list")])
 def test_a_malformed_evaluate_record_is_one_error_naming_the_file_and_key(tmp_path, changes, fragment):
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     step = pipeline_run(tmp_path, best_mode=tree4_record(**changes))
     with pytest.raises(PipelineError, match=re.escape(f"{tmp_path / 'data' / 'eval' / 'best.json'}: {fragment}")):
@@ -607,7 +607,7 @@ def test_a_malformed_evaluate_record_is_one_error_naming_the_file_and_key(tmp_pa
 
 def test_generate_refuses_an_evaluate_record_that_differs_from_its_sha256(tmp_path):
     # best.json decides the mode `generate` decodes with; a flipped bit in it was taken as measured.
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     step = pipeline_run(tmp_path, best_mode=tree4_record())
     best_json = tmp_path / "data" / "eval" / "best.json"

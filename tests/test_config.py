@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from dflash_pipeline.config import SECTIONS, GenerateConfig, Params, load_params
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.config import SECTIONS, GenerateConfig, Params, load_params
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 def test_committed_params_load_and_match_the_dataclass_defaults():
@@ -175,7 +175,7 @@ def test_an_option_the_targets_sizes_refuse_is_one_line_naming_the_file_and_key(
 
 
 def test_a_layer_choice_the_target_refuses_names_the_params_file(tmp_path):
-    from dflash_pipeline.capture import resolve_layer_ids
+    from dflash_pipeline.capture.run import resolve_layer_ids
 
     path = _write_other(tmp_path, lambda raw: raw["capture"].update(layer_ids=[1, 9]))
     with pytest.raises(PipelineError) as error:
@@ -204,7 +204,7 @@ def test_settings_past_the_targets_context_are_one_line_naming_the_file_key_and_
 
 
 def test_the_shipped_params_fit_the_embedded_targets_context():
-    from dflash_pipeline.config import load_params
+    from dflash_pipeline.foundation.config import load_params
 
     params = load_params(REPO_ROOT / "params.yaml")
     for section in (params.generate, params.capture, params.evaluate):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, run
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 def load_demo():

@@ -30,7 +30,7 @@ import torch
 
 from conftest import REPO_ROOT, stage_env
 from oracles.drafting import Proposal
-from dflash_pipeline import devices
+from dflash_pipeline.foundation import devices
 from dflash_pipeline.drafters import core as model_module
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
 
@@ -121,7 +121,7 @@ def test_bf16_capture_matches_fp32_within_bf16_rounding(tiny_llama_dir):
     against the fp32 capture of the same sequences."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.capture import Sequence, forward_batch
+    from dflash_pipeline.capture.run import Sequence, forward_batch
     from dflash_pipeline.target.load import LayerTap
 
     generator = torch.Generator().manual_seed(0)
@@ -152,7 +152,7 @@ def test_bf16_batched_scorer_agrees_with_the_one_block_reference():
     """evaluate on a GPU: bf16 head, drafter under bf16 autocast. The batched scorer against the
     one-block loop in the same arithmetic: different matmul shapes round differently, so blocks
     may flip on near-ties, but the mean τ must agree and most blocks be identical."""
-    from dflash_pipeline.evaluate.scoring import score_teacher_forced
+    from dflash_pipeline.measure.scoring import score_teacher_forced
     from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.target.load import TargetHead
 

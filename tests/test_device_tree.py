@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.decoding.trees import (
+from dflash_pipeline.speculation.trees import (
     ANCHOR,
     PADDING,
     RankPathKeys,

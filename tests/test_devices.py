@@ -4,8 +4,8 @@ in it, timing that waits for the device, and the chip's bf16 peak for model FLOP
 import pytest
 import torch
 
-from dflash_pipeline import devices
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation import devices
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 def test_the_default_device_is_cuda_only_when_present(monkeypatch):

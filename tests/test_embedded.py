@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from conftest import flip_a_byte
-from dflash_pipeline.config import TargetConfig
-from dflash_pipeline.files import sha256_file
+from dflash_pipeline.foundation.config import TargetConfig
+from dflash_pipeline.foundation.files import sha256_file
 from dflash_pipeline.data.prompts import read_prompts
-from dflash_pipeline.generate import render_prompt
+from dflash_pipeline.generate.run import render_prompt
 from dflash_pipeline.target.embedded import CONVERSION_VERSION, _reusable_conversion
 from dflash_pipeline.target.folder import forward_fields, with_both_spellings
 from dflash_pipeline.target.load import TargetInfo, prepare_target
@@ -157,7 +157,7 @@ def test_static_kv_generation_answers_the_default_prompts_as_transformers_does(e
     issue #28) gives transformers' own forward's greedy answers token for token, for the first
     default prompts of each category in one left-padded batch."""
     from dflash_pipeline.data.prompts import read_prompts
-    from dflash_pipeline.generate import render_prompt, static_greedy_generate
+    from dflash_pipeline.generate.run import render_prompt, static_greedy_generate
     from oracles.generate import dynamic_greedy_generate
     from dflash_pipeline.target.load import load_target
 
@@ -256,7 +256,7 @@ def test_a_local_gguf_file_is_converted_into_the_stage_output_like_the_default(t
 @pytest.mark.slow
 def test_a_gguf_without_a_chat_template_is_refused_in_one_line(tmp_path):
     from conftest import write_tiny_gguf
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     gguf = write_tiny_gguf(tmp_path / "base.gguf", chat_template=False)
     with pytest.raises(PipelineError) as error:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.runtime import one_line_errors
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.runtime import one_line_errors
 
 
 def test_a_pipeline_error_is_an_exception_whose_text_is_the_message():

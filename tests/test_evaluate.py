@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.decoding.engine import (
     DecodeRun,
     EndToEndPrompt,
@@ -19,9 +19,9 @@ from dflash_pipeline.decoding.engine import (
     summarize_end_to_end,
 )
 from dflash_pipeline.decoding.static_speculation import Speculation
-from dflash_pipeline.evaluate.record import Mismatch
+from dflash_pipeline.measure.record import Mismatch
 from dflash_pipeline.evaluate.run import check_drafter_contract, select_checkpoints, val_prompts
-from dflash_pipeline.evaluate.scoring import (
+from dflash_pipeline.measure.scoring import (
     BlockScores,
     _score_logits,
     acceptance_length,
@@ -364,7 +364,7 @@ def test_untrained_drafter_decodes_losslessly_with_tau_near_one(tiny_target):
 def test_a_dflash2_drafter_decodes_losslessly_with_its_selector(tiny_target, mode):
     from test_dflash2 import randomize
 
-    from dflash_pipeline.decoding.sampling import Sampling
+    from dflash_pipeline.speculation.sampling import Sampling
 
     model, _, head, drafter, prompt = tiny_target
     torch.manual_seed(0)
@@ -596,7 +596,7 @@ def test_verifying_a_prefix_of_the_draft_stays_lossless(tiny_target):
 
 @pytest.mark.parametrize("rule", ["match", "ratio"])
 def test_sampled_speculative_decoding_commits_only_tokens_the_target_could_sample(tiny_target, rule):
-    from dflash_pipeline.decoding.sampling import Sampling
+    from dflash_pipeline.speculation.sampling import Sampling
 
     model, _, head, drafter, prompt = tiny_target
     sampling = Sampling(1.0, rule=rule, top_k=3, seed=5)
@@ -627,9 +627,9 @@ def test_a_sliding_window_target_decodes_trees_end_to_end_losslessly(tiny_slidin
     from click.testing import CliRunner
 
     from conftest import write_generated
-    from dflash_pipeline.capture import run_capture
+    from dflash_pipeline.capture.run import run_capture
     from dflash_pipeline.cli import main
-    from dflash_pipeline.config import CaptureConfig, EvaluateConfig, TargetConfig, TrainConfig
+    from dflash_pipeline.foundation.config import CaptureConfig, EvaluateConfig, TargetConfig, TrainConfig
     from dflash_pipeline.evaluate.run import run_evaluate
     from dflash_pipeline.target.load import TargetInfo, prepare_target
     from dflash_pipeline.train.run import run_train

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import flip_a_byte
 from dflash_pipeline.drafters import family
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.export import export_checkpoint
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.export.run import export_checkpoint
 from dflash_pipeline.drafters.serving import PROVENANCE_FILE, export_drafter, load_dflash_drafter
 from oracles.drafting import DraftCache, draft_block
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
@@ -212,7 +212,7 @@ def test_the_export_stage_refuses_a_best_json_that_differs_from_its_record(tmp_p
     assert result.exit_code == 1 and not (tmp_path / "bad").exists(), result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {best_json}: damaged (sha256 ") and "best.json.sha256 records" in lines[0]
-    from dflash_pipeline.integrity import RunPaths, check_run
+    from dflash_pipeline.integrity.checks import RunPaths, check_run
 
     assert [(f.path, f.kind) for f in check_run(RunPaths.at(tmp_path, eval=tmp_path / "eval"))] == [(best_json, "damaged")]
 

@@ -192,9 +192,9 @@ def test_speculative_decoding_is_lossless(name, request, tiny_target):
 
 
 def test_an_unknown_architecture_or_option_is_one_line_naming_the_key():
-    from dflash_pipeline.config import TrainConfig
+    from dflash_pipeline.foundation.config import TrainConfig
     from dflash_pipeline.drafters.build import choose_architecture
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     with pytest.raises(PipelineError, match=r"train.architecture' must be one of dflash, dflash2, got 'dflash9'"):
         choose_architecture(TrainConfig(architecture="dflash9"), source="p.yaml")
@@ -214,13 +214,13 @@ def test_an_unknown_architecture_or_option_is_one_line_naming_the_key():
 
 
 def test_a_third_architecture_trains_scores_decodes_and_exports_with_no_edit_elsewhere(gated, tiny_run, tiny_target, tmp_path):
-    from dflash_pipeline.config import TrainConfig
+    from dflash_pipeline.foundation.config import TrainConfig
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
     from dflash_pipeline.decoding.static_speculation import Speculation
     from dflash_pipeline.drafters.checkpoints import load_checkpoint
     from dflash_pipeline.drafters.serving import export_drafter, load_dflash_drafter
-    from dflash_pipeline.evaluate.scoring import score_teacher_forced, summarize_blocks
+    from dflash_pipeline.measure.scoring import score_teacher_forced, summarize_blocks
     from dflash_pipeline.target.load import load_target_head
     from dflash_pipeline.train.run import run_train
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from conftest import flip_a_byte, strict_json_load
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import (
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import (
     atomic_path,
     csv_cell,
     digest_problem,

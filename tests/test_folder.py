@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.config import TargetConfig
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.config import TargetConfig
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.folder import forward_fields, with_both_spellings
 from dflash_pipeline.target.load import prepare_target
 

@@ -7,13 +7,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO_ROOT, SAMPLE_PROMPTS, folder_bytes, run, start_then_kill_9, write_jsonl
-from dflash_pipeline.config import GenerateConfig
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.generate import greedy_generate, render_prompt, run_generate
+from dflash_pipeline.foundation.config import GenerateConfig
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.generate.run import greedy_generate, render_prompt, run_generate
 from dflash_pipeline.data.prompts import GENERATED_SCHEMA, read_generated
 from dflash_pipeline.data.prompts import read_prompts
 from dflash_pipeline.target.load import TargetInfo, load_target, prepare_target
-from dflash_pipeline.config import TargetConfig
+from dflash_pipeline.foundation.config import TargetConfig
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +233,8 @@ def test_a_damaged_chunk_is_answered_again_and_damaged_splits_are_refused(tiny_t
     # A flipped byte in chunk-00000.parquet used to be reused on resume ("64 of 64 prompts already
     # answered"), changed a prompt token in train.parquet, and then looked valid to every check.
     from conftest import flip_a_byte
-    from dflash_pipeline.capture import load_sequences
-    from dflash_pipeline.integrity import RunPaths, check_run, repair
+    from dflash_pipeline.capture.run import load_sequences
+    from dflash_pipeline.integrity.checks import RunPaths, check_run, repair
 
     info, _, _, _ = tiny_target
     prompt_set = read_prompts(sample_prompts, val_fraction=0.25)

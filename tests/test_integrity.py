@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO_ROOT, flip_a_byte, run, set_params, start_then_kill_9
 from dflash_pipeline.data.shards import verify_split
 from dflash_pipeline.drafters.checkpoints import load_checkpoint
-from dflash_pipeline.integrity import RunPaths, check_cache, check_run, dvc_cache_dir
+from dflash_pipeline.integrity.checks import RunPaths, check_cache, check_run, dvc_cache_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dvc]  # test lanes (pyproject.toml)
 

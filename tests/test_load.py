@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import flip_a_byte
-from dflash_pipeline.config import TargetConfig
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.config import TargetConfig
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.load import LayerTap, TargetInfo, build_target_layer_ids, fingerprint_target, load_target, prepare_target
 
 

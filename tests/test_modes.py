@@ -2,8 +2,8 @@
 
 import pytest
 
-from dflash_pipeline.decoding.modes import DecodingMode
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.speculation.modes import DecodingMode
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 def test_a_mode_is_named_parsed_and_written_and_read_back_as_itself():

@@ -2,7 +2,7 @@
 
 import io
 
-from dflash_pipeline.progress import PlainProgress, progress, progress_iter
+from dflash_pipeline.foundation.progress import PlainProgress, progress, progress_iter
 
 
 class FakeClock:

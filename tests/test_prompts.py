@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO_ROOT, SAMPLE_PROMPTS, write_jsonl
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.data.prompts import prompt_id, read_prompts, split_of
 
 

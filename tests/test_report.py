@@ -11,11 +11,11 @@ import pytest
 
 from conftest import REPO_ROOT
 from dflash_pipeline.decoding.engine import DecodeRun, EndToEndPrompt, VerifyPlan, summarize_end_to_end
-from dflash_pipeline.evaluate.record import CandidateRecord, Evaluation, Interval, Mismatch
+from dflash_pipeline.measure.record import CandidateRecord, Evaluation, Interval, Mismatch
 from dflash_pipeline.evaluate.report import console_lines, summary_table, to_metrics, write_outputs
 from dflash_pipeline.evaluate.run import EvaluationResult, choose_and_pair, choose_decoding_mode, summarize_decoding
-from dflash_pipeline.evaluate.scoring import BlockScores, summarize_blocks
-from dflash_pipeline.files import write_metrics
+from dflash_pipeline.measure.scoring import BlockScores, summarize_blocks
+from dflash_pipeline.foundation.files import write_metrics
 
 # ----------------------------------------------------------------------------- a fixed evaluation
 
@@ -367,7 +367,7 @@ def test_the_best_mode_is_the_fastest_lossless_greedy_mode():
     assert (best.mode, best.speedup, best.decoding_mode.tree_budget, best.decoding_mode.verify_tokens) == ("tree4", 1.08, 4, None)
     assert (best.tau, best.lossless_rate, best.machine, best.engine) == (trees[4].tau, 1.0, "cpu on EPYC", "static-kv")
     # the record names the engine it was measured on, and reads back the same (best.json, the export's provenance)
-    from dflash_pipeline.evaluate.record import BestMode
+    from dflash_pipeline.measure.record import BestMode
     from dflash_pipeline.evaluate.report import best_mode_figures
 
     assert best_mode_figures(best)["engine"] == "static-kv" and BestMode.from_json(best_mode_figures(best), "best.json") == best

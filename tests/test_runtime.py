@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 
 from conftest import REPO_ROOT
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.runtime import DeviceChoice, offline_by_default, one_line_errors
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.runtime import DeviceChoice, offline_by_default, one_line_errors
 
 STAGES = ("target", "generate", "capture", "train", "evaluate", "export")
 

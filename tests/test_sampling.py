@@ -11,7 +11,7 @@ step's rules (`static_speculation.accept_sampled`, draws from given uniforms) pa
 import pytest
 import torch
 
-from dflash_pipeline.decoding.sampling import draw, draw_with_uniforms, sampling_probs, verify_chain
+from dflash_pipeline.speculation.sampling import draw, draw_with_uniforms, sampling_probs, verify_chain
 from dflash_pipeline.decoding.static_speculation import accept_sampled
 
 V = 5

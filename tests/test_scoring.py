@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash_pipeline.evaluate.scoring import BlockScores, acceptance_length, ddtree_streak, summarize_blocks
+from dflash_pipeline.measure.scoring import BlockScores, acceptance_length, ddtree_streak, summarize_blocks
 
 
 def test_tau_counts_leading_correct_slots_and_a_missing_slot_ends_the_run():

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_pipeline.drafters.core import DrafterConfig
 from dflash_pipeline.drafters.serving import drafter_config_from_serving, public_weight_names, serving_config
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 WHERE = Path("drafter/config.json")
 

@@ -4,10 +4,10 @@ sharing its target between drafters, and refusing a drafter that reads other lay
 import pytest
 import torch
 
-from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 def tiny_drafter(layer_ids=(1, 3), seed=0) -> DFlashDrafter:

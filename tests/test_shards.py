@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.data.shards import Manifest, ShardWriter, bytes_per_token, open_split, shard_schema
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding.static_decoder import StaticDecoder, supports
-from dflash_pipeline.devices import READ_EVERY
-from dflash_pipeline.generate import decoding_engine, left_padded, static_greedy_generate
+from dflash_pipeline.foundation.devices import READ_EVERY
+from dflash_pipeline.generate.run import decoding_engine, left_padded, static_greedy_generate
 from oracles.generate import dynamic_greedy_generate
 from test_step_contract import DeviceReads, Paused
 
@@ -21,7 +21,7 @@ def test_generate_decodes_on_the_static_step_on_every_device_and_refuses_what_it
     """One engine: the static step on a CPU (written columns only) and on a GPU (a replayed CUDA
     graph). A target it cannot serve is refused in one line naming its model type, never decoded
     down another path."""
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     model = tiny_target[0]
     assert supports(model) and decoding_engine(model) == "static-kv"
@@ -123,7 +123,7 @@ def test_cuda_turns_cudnn_attention_off_where_the_target_is_loaded(monkeypatch):
     target's loader makes the one choice of kernels, on CUDA only."""
     import inspect
 
-    from dflash_pipeline import devices
+    from dflash_pipeline.foundation import devices
     from dflash_pipeline.target import load
 
     calls = []
@@ -187,7 +187,7 @@ def test_every_layout_decodes_what_transformers_generate_decodes(kind, attention
 ])
 def test_a_target_the_engine_cannot_serve_is_refused_in_one_line_naming_its_model_type(change, words):
     from dflash_pipeline.decoding.static_decoder import check_servable
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     model = tiny_layout("qwen3")
     change(model.config)
@@ -202,7 +202,7 @@ def test_every_forward_that_passes_a_cache_takes_the_keyword_the_installed_forwa
     """transformers 5.17 names its cache `past_key_values` and swallows an unknown `cache=` in
     **kwargs (decoding with no cache, no error): the keyword is read from the forward's signature."""
     from dflash_pipeline.decoding import static_decoder
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     class Newer(torch.nn.Module):
         def forward(self, input_ids, cache=None, **kwargs):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import dflash_pipeline.decoding.static_speculation as static
-from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms
+from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms
 from dflash_pipeline.decoding.loop import static_plain_decode
 from dflash_pipeline.decoding.static_speculation import Speculation, accept_greedy
-from dflash_pipeline.decoding.trees import PADDING, ranked_candidates, ranked_candidates_on_device
+from dflash_pipeline.speculation.trees import PADDING, ranked_candidates, ranked_candidates_on_device
 from oracles.decoding import host_greedy_decode, host_speculative_decode
 from oracles.drafting import drafter_proposer, tree_proposer, verified_prefix
 from test_step_contract import DeviceReads, Paused
@@ -286,7 +286,7 @@ def test_at_the_gpu_read_interval_the_loop_plans_steps_by_tau_and_wastes_few_pas
     the draft phase, and the answer and every step's size are those of reading after each step."""
     import dflash_pipeline.decoding.loop as loop
     from dflash_pipeline.decoding.engine import speculative_decode
-    from dflash_pipeline.devices import READ_EVERY
+    from dflash_pipeline.foundation.devices import READ_EVERY
 
     model, tap, head, drafter, prompt = tiny_target
     ran = []

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash_pipeline.stats import format_interval, mean_ci95, mean_ci95_over_prompts, paired_difference, per_prompt_means
+from dflash_pipeline.foundation.stats import format_interval, mean_ci95, mean_ci95_over_prompts, paired_difference, per_prompt_means
 
 
 def test_mean_ci95_by_hand():

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.tensor_files import load_safetensors, safetensors_header
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.tensor_files import load_safetensors, safetensors_header
 
 
 def test_header_and_tensors_read_back_what_was_written(tmp_path):

@@ -15,11 +15,11 @@ import yaml
 from conftest import REPO_ROOT, flip_a_byte, run, start_then_kill_9
 from dflash_pipeline.data.blocks import build_batch, valid_anchors
 from dflash_pipeline.train.loss import decay_weights, training_targets
-from dflash_pipeline.capture import run_capture
+from dflash_pipeline.capture.run import run_capture
 from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
-from dflash_pipeline.config import CaptureConfig, TrainConfig
+from dflash_pipeline.foundation.config import CaptureConfig, TrainConfig
 from dflash_pipeline.drafters.build import choose_mask_token
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.train.loss import ChunkedHeadCrossEntropy
 from dflash_pipeline.data.shards import Sample
 from dflash_pipeline.target.load import load_target_head
@@ -154,7 +154,7 @@ def test_training_uses_the_sliding_window(tiny_run, tmp_path):
 def test_periodic_tau_is_evaluates_scorer_with_its_interval_over_prompts(tiny_run, tmp_path):
     # One teacher-forced scorer: train's tau (and CI) is what `evaluate` reports for the same
     # checkpoint, anchors and seed, with the 95% interval over prompts, not over blocks.
-    from dflash_pipeline.evaluate.scoring import score_teacher_forced, summarize_blocks
+    from dflash_pipeline.measure.scoring import score_teacher_forced, summarize_blocks
     from dflash_pipeline.data.shards import open_split
 
     target, root = tiny_run

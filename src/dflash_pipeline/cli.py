@@ -25,11 +25,11 @@ import click
 from click.core import ParameterSource
 
 from dflash_pipeline import __version__
-from dflash_pipeline.config import EvaluateConfig, GenerateConfig, TargetConfig
-from dflash_pipeline.decoding.modes import DecodingMode
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import format_bytes
-from dflash_pipeline.runtime import OneLineUsage, device_option, offline_by_default, one_line_errors
+from dflash_pipeline.foundation.config import EvaluateConfig, GenerateConfig, TargetConfig
+from dflash_pipeline.speculation.modes import DecodingMode
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import format_bytes
+from dflash_pipeline.foundation.runtime import OneLineUsage, device_option, offline_by_default, one_line_errors
 
 DEFAULTS = EvaluateConfig()
 GENERATE_DEFAULTS = GenerateConfig()
@@ -293,7 +293,7 @@ def verify(root, target_json, generated_dir, hidden_dir, checkpoints_dir, eval_d
       dflash-pipeline verify
       dflash-pipeline verify --repair && dvc repro
     """
-    from dflash_pipeline.integrity import RunPaths, check_run, repair as repair_run
+    from dflash_pipeline.integrity.checks import RunPaths, check_run, repair as repair_run
 
     paths = RunPaths.at(root, target=target_json, generated=generated_dir, hidden=hidden_dir, checkpoints=checkpoints_dir, eval=eval_dir,
                         export=export_dir)
@@ -336,7 +336,7 @@ def drafter_lines(config) -> list[tuple[str, object]]:
 
 def weights_line(files: list[Path]) -> str:
     """Stored dtype(s), parameter count and size of safetensors files, from their headers only."""
-    from dflash_pipeline.tensor_files import safetensors_header
+    from dflash_pipeline.foundation.tensor_files import safetensors_header
 
     dtypes, parameters = set(), 0
     for file in files:
@@ -353,7 +353,7 @@ def weights_line(files: list[Path]) -> str:
 def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
     from dflash_pipeline.drafters.checkpoints import weights_problem
     from dflash_pipeline.drafters.core import DrafterConfig
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.foundation.files import read_json
 
     info = read_json(folder / "checkpoint.json", missing="unreadable")
     if "drafter" not in info:
@@ -375,7 +375,7 @@ def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
 
 def drafter_contract(folder: Path) -> list[tuple[str, object]]:
     from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving, provenance_problems
-    from dflash_pipeline.files import read_json
+    from dflash_pipeline.foundation.files import read_json
 
     config_path = folder / "config.json"
     config = drafter_config_from_serving(read_json(config_path, missing="unreadable"), where=config_path)
@@ -473,7 +473,7 @@ def export(checkpoint, out, dtype):
     """
     import torch
 
-    from dflash_pipeline.export import export_checkpoint
+    from dflash_pipeline.export.run import export_checkpoint
     from dflash_pipeline.drafters.serving import load_dflash_drafter
 
     folder = export_checkpoint(checkpoint, out, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
@@ -496,7 +496,7 @@ def evaluate_record_of(drafter_dir: Path, kind: str) -> tuple[bool, object, str]
     this very folder. A published drafter has no record.
     """
     from dflash_pipeline.drafters.serving import PROVENANCE_FILE
-    from dflash_pipeline.files import check_recorded_digest, read_json
+    from dflash_pipeline.foundation.files import check_recorded_digest, read_json
 
     if kind == "drafter":
         path = drafter_dir / PROVENANCE_FILE
@@ -530,7 +530,7 @@ def choose_generate_mode(*, drafter_dir: Path, kind: str, block_size: int, tree_
     """(the mode, the line saying which mode and why) for greedy `generate`: the options named in
     `explicit` as given; else the mode evaluate measured fastest for this drafter
     (`evaluate_record_of`); else today's default, a chain of all B-1 drafted tokens."""
-    from dflash_pipeline.evaluate.record import BestMode
+    from dflash_pipeline.measure.record import BestMode
 
     if explicit:
         flags = " and ".join(f"--{name.replace('_', '-')}" for name in sorted(explicit))
@@ -601,11 +601,11 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
           --drafter data/export/drafter --temperature 0.7 --compare
     """
     from dflash_pipeline.data.prompts import Prompt
-    from dflash_pipeline.decoding.sampling import Sampling
+    from dflash_pipeline.speculation.sampling import Sampling
     from dflash_pipeline.decoding.engine import speculation_engine
     from dflash_pipeline.decoding.session import open_session
     from dflash_pipeline.evaluate.run import load_candidates
-    from dflash_pipeline.generate import render_prompt
+    from dflash_pipeline.generate.run import render_prompt
 
     if tree_budget is not None and (temperature > 0 or verify_tokens is not None):
         raise PipelineError("--tree-budget: tree verification is greedy and verifies the whole tree (drop --temperature / --verify-tokens)")
@@ -617,7 +617,7 @@ def generate(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, 
                                    baseline_dirs=[drafter_dir] if kind == "drafter" else [], target=target, layer_ids=None, device=device)
     sampling = Sampling(temperature, rule=rule, top_k=top_k, top_p=top_p, seed=seed) if temperature > 0 else None
     if sampling is None:  # the mode that pays best is a greedy measurement: evaluate's, unless the options choose
-        from dflash_pipeline.devices import machine_description
+        from dflash_pipeline.foundation.devices import machine_description
 
         context = click.get_current_context()
         explicit = {name for name in ("tree_budget", "verify_tokens")

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_pipeline.decoding.static_decoder import cache_argument
-from dflash_pipeline.generate import Answer, left_padded
+from dflash_pipeline.generate.run import Answer, left_padded
 
 
 def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,

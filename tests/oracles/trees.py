@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_pipeline.decoding.trees import ANCHOR, DraftTreeTensors
+from dflash_pipeline.speculation.trees import ANCHOR, DraftTreeTensors
 
 
 @dataclass

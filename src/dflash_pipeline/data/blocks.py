@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.drafters.core import dflash_block_mask, dflash_mask
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import check_recorded_digest
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import check_recorded_digest
 
 ROLES = {"system", "user", "assistant"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import (  # the `.sha256` record helpers are re-exported: capture and tests use them from here
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import (  # the `.sha256` record helpers are re-exported: capture and tests use them from here
     SHA256_SUFFIX,
     read_json,
     recorded_sha256,

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from dflash_pipeline.decoding.loop import DecodeRun, engine_name, static_plain_decode
-from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.decoding.static_speculation import Speculation, static_forward_costs
-from dflash_pipeline.evaluate.record import EndToEnd, Interval, Mismatch, TimeSplit
-from dflash_pipeline.progress import progress_iter
-from dflash_pipeline.stats import mean_ci95
+from dflash_pipeline.measure.record import EndToEnd, Interval, Mismatch, TimeSplit
+from dflash_pipeline.foundation.progress import progress_iter
+from dflash_pipeline.foundation.stats import mean_ci95
 
 # ----------------------------------------------------------------------------- decoding
 

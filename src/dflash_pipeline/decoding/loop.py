@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_pipeline.decoding.graphs import PhaseRunner
-from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
+from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.static_decoder import StaticDecoder, check_servable
-from dflash_pipeline.devices import default_read_every, synchronize
+from dflash_pipeline.foundation.devices import default_read_every, synchronize
 
 STATIC_ENGINE = "static-kv"  # static KV, whole steps on the device
 GRAPHED_ENGINE = "static-kv-cuda-graph"  # the same steps, each phase replayed as a CUDA graph

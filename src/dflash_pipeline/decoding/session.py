@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from dflash_pipeline.decoding.engine import DecodeRun, greedy_decode, speculative_decode
-from dflash_pipeline.decoding.sampling import Sampling
+from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.decoding.static_speculation import Speculation
-from dflash_pipeline.devices import bf16_by_default
+from dflash_pipeline.foundation.devices import bf16_by_default
 from dflash_pipeline.drafters.core import DFlashDrafter
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.load import TargetHead, TargetInfo, load_target, load_target_head
 
 

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention layouts the mask covers
 # Rope types whose frequencies depend on the sequence length seen so far: transformers updates them

@@ -42,11 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.decoding.loop import StepRecord, cached_step, run_prompt, steps_of
-from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
+from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
-from dflash_pipeline.decoding.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
+from dflash_pipeline.speculation.trees import (ANCHOR, RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
                                              tree_attention_visibility)
-from dflash_pipeline.devices import READ_EVERY, bf16_by_default, synchronize
+from dflash_pipeline.foundation.devices import READ_EVERY, bf16_by_default, synchronize
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
 
 def _autocast(device: torch.device, enabled: bool):

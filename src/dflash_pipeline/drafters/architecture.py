@@ -26,10 +26,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from dflash_pipeline.decoding.sampling import Sampling, draw_with_uniforms, sampling_probs
+from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, draft_logits
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Architecture:
     def train_options(self, raw: Mapping | None, *, source: str):
         """(options, loss_options) from `train.options.<name>` of a params file: missing keys take
         their defaults; unknown keys, wrong types and values out of range stop with the key's name."""
-        from dflash_pipeline.config import section_from_dict
+        from dflash_pipeline.foundation.config import section_from_dict
 
         raw = dict(raw or {})
         section = f"train.options.{self.name}"

@@ -7,9 +7,9 @@ token absent from the data; the weights are random or the target's top layers (`
 
 from dataclasses import dataclass
 
-from dflash_pipeline.config import TrainConfig, as_dict
+from dflash_pipeline.foundation.config import TrainConfig, as_dict
 from dflash_pipeline.drafters import family
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, DrafterSizeError
 from dflash_pipeline.target.folder import read_tensors
 from dflash_pipeline.target.load import TargetInfo

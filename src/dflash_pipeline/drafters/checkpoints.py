@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import digest_problem, sha256_file, write_json_atomic
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import digest_problem, sha256_file, write_json_atomic
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 
 CHECKPOINT_FORMAT_VERSION = 1
@@ -113,7 +113,7 @@ def load_checkpoint(folder: Path, *, device: str = "cpu") -> tuple[DFlashDrafter
     """A drafter from a step folder: weights from safetensors (no pickle), config from its JSON.
     A missing, cut, damaged (its sha256 is not the recorded one) or foreign file is one
     PipelineError line naming it."""
-    from dflash_pipeline.tensor_files import load_safetensors, safetensors_header
+    from dflash_pipeline.foundation.tensor_files import load_safetensors, safetensors_header
 
     folder = Path(folder)
     info_path, weights_path = folder / INFO_FILE, folder / WEIGHTS_FILE

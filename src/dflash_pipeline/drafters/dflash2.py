@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_pipeline.decoding.sampling import draw_with_uniforms
+from dflash_pipeline.speculation.sampling import draw_with_uniforms
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.architecture import Architecture, correct_argmax
 from dflash_pipeline.drafters.core import ArchitectureModule, DrafterConfig, draft_logits
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.stats import acceptance_length, mean_ci95_over_prompts, paired_difference
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.stats import acceptance_length, mean_ci95_over_prompts, paired_difference
 
 
 def block_causal_conv(x: torch.Tensor, base: torch.Tensor, dynamic: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import digest_problem, read_json, sha256_file, write_json_atomic
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import digest_problem, read_json, sha256_file, write_json_atomic
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 from dflash_pipeline.target.folder import weight_files
@@ -302,7 +302,7 @@ def read_serving_weights(directory: Path, expected_shapes: dict[str, tuple[int, 
 
     Returns (tensors, {name: stored dtype}). Every problem is one line naming the file and tensor.
     """
-    from dflash_pipeline.tensor_files import load_safetensors, safetensors_header
+    from dflash_pipeline.foundation.tensor_files import load_safetensors, safetensors_header
 
     directory = Path(directory)
     single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX
@@ -368,7 +368,7 @@ def _provenance(directory: Path, config: DrafterConfig) -> tuple[dict | None, Dr
 
 
 def _read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor:
-    from dflash_pipeline.tensor_files import load_safetensors
+    from dflash_pipeline.foundation.tensor_files import load_safetensors
 
     token_ids = load_safetensors(path, ["token_ids"]).get("token_ids")
     if token_ids is None:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, EndToEnd, Evaluation, Interval
+from dflash_pipeline.measure.record import BestMode, CandidateRecord, EndToEnd, Evaluation, Interval
 from dflash_pipeline.evaluate.run import describe_best_mode
-from dflash_pipeline.files import atomic_path, pyplot, save_figure, write_csv_atomic, write_json_recorded, write_metrics
-from dflash_pipeline.stats import console_value, format_interval
+from dflash_pipeline.foundation.files import atomic_path, pyplot, save_figure, write_csv_atomic, write_json_recorded, write_metrics
+from dflash_pipeline.foundation.stats import console_value, format_interval
 
 # What eval.json keeps of each section (details.json keeps everything, under the same paths).
 HEADLINE = {"teacher_forced": ("tau", "tau_ci95", "blocks", "prompts"),

@@ -25,20 +25,20 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
-from dflash_pipeline.devices import autocast, bf16_by_default, machine_description
+from dflash_pipeline.foundation.devices import autocast, bf16_by_default, machine_description
 from dflash_pipeline.decoding.engine import (EndToEndPrompt, VerifyPlan, end_to_end, measure_forward_costs, plan_verify_tokens,
                                               speculation_engine, summarize_end_to_end)
 from dflash_pipeline.decoding.session import open_session
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import check_recorded_digest
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import check_recorded_digest
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
-from dflash_pipeline.decoding.sampling import Sampling
-from dflash_pipeline.decoding.modes import DecodingMode
-from dflash_pipeline.evaluate.record import BestMode, CandidateRecord, Decoding, EndToEnd, Evaluation, Paired
-from dflash_pipeline.evaluate.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
+from dflash_pipeline.speculation.sampling import Sampling
+from dflash_pipeline.speculation.modes import DecodingMode
+from dflash_pipeline.measure.record import BestMode, CandidateRecord, Decoding, EndToEnd, Evaluation, Paired
+from dflash_pipeline.measure.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.data.shards import open_split
-from dflash_pipeline.stats import format_interval
+from dflash_pipeline.foundation.stats import format_interval
 from dflash_pipeline.target.load import load_target_head
 
 # ----------------------------------------------------------------------------- drafters
@@ -400,9 +400,9 @@ def compare_eval_runs(run_a: Path, run_b: Path) -> RunComparison:
     """
     import pandas as pd
 
-    from dflash_pipeline.files import read_json
-    from dflash_pipeline.stats import mean_ci95_over_prompts
-    from dflash_pipeline.stats import paired_difference as paired_over_prompts
+    from dflash_pipeline.foundation.files import read_json
+    from dflash_pipeline.foundation.stats import mean_ci95_over_prompts
+    from dflash_pipeline.foundation.stats import paired_difference as paired_over_prompts
 
     sides = []
     for folder in (Path(run_a), Path(run_b)):

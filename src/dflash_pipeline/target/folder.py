@@ -23,9 +23,9 @@ file, or shards named by model.safetensors.index.json); `read_tensors` reads a f
 
 from pathlib import Path
 
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import read_json
-from dflash_pipeline.tensor_files import load_safetensors, safetensors_header
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import read_json
+from dflash_pipeline.foundation.tensor_files import load_safetensors, safetensors_header
 
 # The RoPE base transformers 4.x and 5.x assume when a config names none (a few model classes set their own).
 DEFAULT_ROPE_THETA = 10_000.0

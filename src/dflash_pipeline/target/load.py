@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.config import EMBEDDED_TARGET, TargetConfig
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import digest_problem, read_json, sha256_file, write_json_atomic
+from dflash_pipeline.foundation.config import EMBEDDED_TARGET, TargetConfig
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import digest_problem, read_json, sha256_file, write_json_atomic
 from dflash_pipeline.target.embedded import GGUF_SUFFIX, convert_embedded, convert_gguf
 from dflash_pipeline.target.folder import check_config_spellings, read_tensors
 
@@ -309,7 +309,7 @@ def load_target(info: TargetInfo, *, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_pipeline.devices import configure_attention
+    from dflash_pipeline.foundation.devices import configure_attention
 
     configure_attention(device)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.data.blocks import Batch
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.drafters.core import DFlashDrafter, TokenColumns
 from dflash_pipeline.target.load import TargetHead
 

@@ -5,7 +5,7 @@ and an empty cell in the CSV files (`files.csv_cell`)."""
 
 from pathlib import Path
 
-from dflash_pipeline.files import pyplot, save_figure, write_csv_atomic, write_metrics
+from dflash_pipeline.foundation.files import pyplot, save_figure, write_csv_atomic, write_metrics
 
 
 def write_train_outputs(result: dict, *, metrics_path: Path, plots_dir: Path) -> dict:

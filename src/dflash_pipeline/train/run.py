@@ -35,16 +35,16 @@ from dflash_pipeline.drafters.checkpoints import (
     save_step,
     step_folder,
 )
-from dflash_pipeline.config import TrainConfig
-from dflash_pipeline.devices import READ_EVERY, autocast, bf16_by_default
+from dflash_pipeline.foundation.config import TrainConfig
+from dflash_pipeline.foundation.devices import READ_EVERY, autocast, bf16_by_default
 from dflash_pipeline.drafters.build import choose_architecture, choose_mask_token, drafter_config_for, new_drafter
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import sha256_file
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import sha256_file
 from dflash_pipeline.train.loss import TrainingTargets, TrainingVocabulary, block_loss, default_gamma, training_targets
 from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
-from dflash_pipeline.evaluate.scoring import per_slot_acceptance, score_teacher_forced
+from dflash_pipeline.measure.scoring import per_slot_acceptance, score_teacher_forced
 from dflash_pipeline.data.shards import ShardDataset, open_split
-from dflash_pipeline.stats import mean_ci95_over_prompts
+from dflash_pipeline.foundation.stats import mean_ci95_over_prompts
 from dflash_pipeline.target.load import TargetHead, TargetInfo, load_target_head
 
 
@@ -570,7 +570,7 @@ def run_train(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     """
     import torch.distributed as dist
 
-    from dflash_pipeline.progress import progress
+    from dflash_pipeline.foundation.progress import progress
 
     run = setup_run(config, target=target, train_dir=train_dir, val_dir=val_dir, out_dir=out_dir, device=device, log=log, source=source)
     rank, world = run.rank, run.world
@@ -670,7 +670,7 @@ def measure_train_steps(run: TrainingRun, *, steps: int, warmup: int = 3) -> dic
     cover warmup + steps. Returns step_ms, host_prepare_ms (mean host time to prepare one of the
     timed steps, in whichever thread did it; above step_ms the stage is host-bound),
     context_tokens_per_s and trained_positions_per_s."""
-    from dflash_pipeline.devices import timed
+    from dflash_pipeline.foundation.devices import timed
 
     last = warmup + steps
     if steps < 1 or len(run.plan) < last or run.config.max_steps < last:

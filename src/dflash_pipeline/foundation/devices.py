@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 # How many steps a device loop runs between two reads back to the host (decode loops: tokens made
 # and rows ended; train: the curve values), where each read drains the queue of launched work on a

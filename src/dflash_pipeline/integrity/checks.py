@@ -55,9 +55,9 @@ from dflash_pipeline.drafters.checkpoints import (
     weights_problem,
 )
 from dflash_pipeline.drafters.serving import PROVENANCE_FILE, provenance_problems
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import digest_problem, file_digest, read_json, recorded_digest_problem, staging_dir
-from dflash_pipeline.tensor_files import safetensors_header
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import digest_problem, file_digest, read_json, recorded_digest_problem, staging_dir
+from dflash_pipeline.foundation.tensor_files import safetensors_header
 
 # The pipeline's outputs, as dvc.yaml names them.
 DEFAULT_PATHS = {"target": "data/target/target.json", "generated": "data/generated", "hidden": "data/hidden",

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 class DeviceChoice(click.ParamType):
@@ -21,7 +21,7 @@ class DeviceChoice(click.ParamType):
         return "[auto|cpu|cuda|cuda:N]"
 
     def convert(self, value, param, ctx) -> str:
-        from dflash_pipeline.devices import checked_device
+        from dflash_pipeline.foundation.devices import checked_device
 
         try:
             return checked_device(str(value), option=param.opts[0] if param is not None else "--device")

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from dflash_pipeline.files import undefined
+from dflash_pipeline.foundation.files import undefined
 
 NOT_AVAILABLE = "n/a"
 

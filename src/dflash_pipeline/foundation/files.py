@@ -172,7 +172,7 @@ def recorded_digest_problem(path: Path) -> str | None:
 
 def check_recorded_digest(path: Path) -> None:
     """Refuse `path` in one line when it does not match its `.sha256` record (`recorded_digest_problem`)."""
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     problem = recorded_digest_problem(path)
     if problem:
@@ -204,7 +204,7 @@ def reuse_or_reset(folder: Path, record_name: str, record: dict, counted: str) -
 
 def read_json(path: Path, *, missing: str):
     """Parse a JSON file; a missing or malformed file is one PipelineError line naming it."""
-    from dflash_pipeline.errors import PipelineError
+    from dflash_pipeline.foundation.errors import PipelineError
 
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))

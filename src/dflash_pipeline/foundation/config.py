@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 EMBEDDED_TARGET = "smollm2-135m-instruct"
 

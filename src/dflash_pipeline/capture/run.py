@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from dflash_pipeline.config import CaptureConfig, as_dict
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import format_bytes, reuse_or_reset, sha256_file, staging_dir
+from dflash_pipeline.foundation.config import CaptureConfig, as_dict
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import format_bytes, reuse_or_reset, sha256_file, staging_dir
 from dflash_pipeline.data.prompts import read_generated
 from dflash_pipeline.data.shards import (
     SHA256_SUFFIX,
@@ -522,7 +522,7 @@ def _write_shards(numbers: list[int], plan: "SplitPlan", sequences: list[Sequenc
     """Capture and write the given shards: the device runs batch n + 1 while writer threads
     encode, hash and write earlier batches, one shard per thread (`default_writer_threads` when
     `writer_threads` is None; 0 writes inline). The shards' bytes are the same for any count."""
-    from dflash_pipeline.progress import progress
+    from dflash_pipeline.foundation.progress import progress
 
     bar = progress(total=sum(plan.shard_tokens[n] for n in numbers), unit="tok", unit_scale=True, desc=f"capture {split}",
                    disable=not show_progress or not numbers)

@@ -34,9 +34,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_pipeline.config import GenerateConfig, as_dict
-from dflash_pipeline.errors import PipelineError
-from dflash_pipeline.files import (
+from dflash_pipeline.foundation.config import GenerateConfig, as_dict
+from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.foundation.files import (
     SHA256_SUFFIX,
     recorded_digest_problem,
     reuse_or_reset,
@@ -112,7 +112,7 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
 
     from dflash_pipeline.decoding.graphs import PhaseRunner
     from dflash_pipeline.decoding.loop import PlainStep, run_steps
-    from dflash_pipeline.devices import default_read_every
+    from dflash_pipeline.foundation.devices import default_read_every
 
     device = next(model.parameters()).device
     input_ids, valid = left_padded(prompts, pad_id)
@@ -212,7 +212,7 @@ class AnswerCache:
 
 
 def _progress_bar(total: int, done: int):
-    from dflash_pipeline.progress import progress
+    from dflash_pipeline.foundation.progress import progress
 
     return progress(total=total, initial=done, unit="prompt", desc="generate")
 

@@ -8,7 +8,7 @@ name is made and read here and nowhere else.
 
 from dataclasses import dataclass
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 CHAIN = "chain"
 TREE = "tree"

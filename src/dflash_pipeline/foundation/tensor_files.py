@@ -5,7 +5,7 @@ all read through here, so a missing or damaged file is the same one line everywh
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_pipeline.errors import PipelineError
+from dflash_pipeline.foundation.errors import PipelineError
 
 
 @dataclass(frozen=True)

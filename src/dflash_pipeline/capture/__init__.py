@@ -1,0 +1,1 @@
+"""The capture stage: one target forward per sequence into Arrow shards."""

@@ -1,0 +1,1 @@
+"""The export stage: a checkpoint in the public DFlash serving format."""

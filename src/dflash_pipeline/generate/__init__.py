@@ -1,0 +1,1 @@
+"""The generate stage: the target answers the prompt set."""

@@ -1,0 +1,1 @@
+"""Checking a run's outputs and repairing damage (`dflash-pipeline verify --repair`)."""
