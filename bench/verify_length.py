@@ -25,7 +25,8 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import torch
 
     from dflash_pipeline.foundation.config import load_params
-    from dflash_pipeline.decoding.engine import end_to_end, measure_forward_costs, plan_verify_tokens, summarize_end_to_end
+    from dflash_pipeline.measure.verify_plan import measure_forward_costs, plan_verify_tokens
+    from dflash_pipeline.measure.end_to_end import end_to_end, summarize_end_to_end
     from dflash_pipeline.measure.scoring import per_slot_acceptance, score_teacher_forced
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)

@@ -5,7 +5,7 @@ bench/train_host.py). It returns the old layout: per-sequence feature pieces and
 import torch
 
 from dflash_pipeline.data.blocks import draw_anchors
-from dflash_pipeline.drafters.core import dflash_mask
+from dflash_pipeline.data.masks import dflash_mask
 
 
 def per_anchor_build_batch(samples, *, anchors_per_sequence: int, block_size: int, mask_token_id: int, anchor_seeds: list[int],

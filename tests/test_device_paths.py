@@ -32,7 +32,8 @@ from conftest import REPO_ROOT, stage_env
 from oracles.drafting import Proposal
 from dflash_pipeline.foundation import devices
 from dflash_pipeline.drafters import core as model_module
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.data.masks import dflash_mask
 
 
 # ----------------------------------------------------------------------------- flex attention
@@ -179,7 +180,8 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
     A rigged drafter that knows the answer gets whole blocks accepted."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.decoding.engine import EndToEndPrompt, end_to_end, first_difference, greedy_decode, is_near_tie, summarize_end_to_end
+    from dflash_pipeline.decoding.engine import greedy_decode
+    from dflash_pipeline.measure.end_to_end import EndToEndPrompt, end_to_end, first_difference, is_near_tie, summarize_end_to_end
     from dflash_pipeline.decoding.static_speculation import Speculation
     from dflash_pipeline.target.load import LayerTap, TargetHead
     from oracles.decoding import host_speculative_decode

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dflash_pipeline.drafters.dflash2 import CandidateSelector, block_causal_conv, select_paths
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.data.masks import dflash_mask
 from oracles.drafting import DraftCache, draft_block, draft_hidden, select_block
 from dflash_pipeline.target.load import TargetHead
 

@@ -6,7 +6,8 @@ tokens, a tree verify leaves the target's cache holding exactly the accepted pat
 import pytest
 import torch
 
-from dflash_pipeline.decoding.engine import end_to_end, first_difference, greedy_decode, summarize_end_to_end
+from dflash_pipeline.decoding.engine import greedy_decode
+from dflash_pipeline.measure.end_to_end import end_to_end, first_difference, summarize_end_to_end
 from dflash_pipeline.decoding.static_speculation import Speculation
 from oracles.decoding import keep_path, verify_tree
 from oracles.drafting import Proposal, verified_prefix

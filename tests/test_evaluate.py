@@ -9,18 +9,13 @@ import pytest
 import torch
 
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.decoding.engine import (
-    DecodeRun,
-    EndToEndPrompt,
-    choose_verify_tokens,
-    forward_costs,
-    greedy_decode,
-    speculative_decode,
-    summarize_end_to_end,
-)
+from dflash_pipeline.decoding.engine import DecodeRun, forward_costs, greedy_decode, speculative_decode
+from dflash_pipeline.measure.verify_plan import choose_verify_tokens
+from dflash_pipeline.measure.end_to_end import EndToEndPrompt, summarize_end_to_end
 from dflash_pipeline.decoding.static_speculation import Speculation
 from dflash_pipeline.measure.record import Mismatch
-from dflash_pipeline.evaluate.run import check_drafter_contract, select_checkpoints, val_prompts
+from dflash_pipeline.evaluate.run import select_checkpoints, val_prompts
+from dflash_pipeline.drafters.loading import check_drafter_contract
 from dflash_pipeline.measure.scoring import (
     BlockScores,
     _score_logits,

@@ -17,7 +17,8 @@ from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.export.run import export_checkpoint
 from dflash_pipeline.drafters.serving import PROVENANCE_FILE, export_drafter, load_dflash_drafter
 from oracles.drafting import DraftCache, draft_block
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.data.masks import dflash_mask
 from dflash_pipeline.target.load import TargetHead
 
 LAYER_WEIGHTS = [

@@ -5,7 +5,8 @@ import torch
 
 from dflash_pipeline.train.loss import decay_weights, default_gamma
 from oracles.drafting import DraftCache, draft_block
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.data.masks import dflash_mask
 from dflash_pipeline.target.load import TargetHead
 
 VOCAB = 97

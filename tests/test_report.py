@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
-from dflash_pipeline.decoding.engine import DecodeRun, EndToEndPrompt, VerifyPlan, summarize_end_to_end
+from dflash_pipeline.decoding.engine import DecodeRun
+from dflash_pipeline.measure.verify_plan import VerifyPlan
+from dflash_pipeline.measure.end_to_end import EndToEndPrompt, summarize_end_to_end
 from dflash_pipeline.measure.record import CandidateRecord, Evaluation, Interval, Mismatch
 from dflash_pipeline.evaluate.report import console_lines, summary_table, to_metrics, write_outputs
 from dflash_pipeline.evaluate.run import EvaluationResult, choose_and_pair, choose_decoding_mode, summarize_decoding

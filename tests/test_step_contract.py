@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 
 from dflash_pipeline.data.blocks import build_batch
 from dflash_pipeline.data.shards import Sample
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, dflash_mask, to_block_mask
+from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, to_block_mask
+from dflash_pipeline.data.masks import dflash_mask
 from reference_blocks import per_anchor_build_batch
 from test_train import TINY_TRAIN, _train
 

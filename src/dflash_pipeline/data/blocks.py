@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.drafters.core import dflash_block_mask, dflash_mask
+from dflash_pipeline.data.masks import dflash_block_mask, dflash_mask
 
 
 def training_anchor_seed(seed: int, step: int, position: int) -> int:

@@ -24,22 +24,23 @@ from pathlib import Path
 
 import torch
 
-from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
+from dflash_pipeline.drafters.checkpoints import list_checkpoints
 from dflash_pipeline.foundation.devices import autocast, bf16_by_default, machine_description
-from dflash_pipeline.decoding.engine import (EndToEndPrompt, VerifyPlan, end_to_end, measure_forward_costs, plan_verify_tokens,
-                                              speculation_engine, summarize_end_to_end)
+from dflash_pipeline.decoding.engine import speculation_engine
+from dflash_pipeline.measure.verify_plan import VerifyPlan, measure_forward_costs, plan_verify_tokens
+from dflash_pipeline.measure.end_to_end import EndToEndPrompt, end_to_end, summarize_end_to_end
 from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import check_recorded_digest
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.speculation.modes import DecodingMode
 from dflash_pipeline.measure.record import BestMode, CandidateRecord, Decoding, EndToEnd, Evaluation, Paired
 from dflash_pipeline.measure.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
-from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.data.shards import open_split
 from dflash_pipeline.foundation.stats import format_interval
 from dflash_pipeline.target.load import load_target_head
+from dflash_pipeline.drafters.loading import load_checked_checkpoint, load_checked_export
 
 # ----------------------------------------------------------------------------- drafters
 
@@ -53,23 +54,6 @@ class Candidate:
     path: Path
     drafter: DFlashDrafter
     step: int | None = None
-
-
-def check_drafter_contract(config: DrafterConfig, *, target, layer_ids: list[int] | None, source: str) -> None:
-    """Refuse a drafter that cannot run on this target and these shards, naming the field."""
-    expected = [("hidden_size", target.hidden_size, "target"), ("vocab_size", target.vocab_size, "target"),
-                ("num_target_layers", target.num_layers, "target")]
-    if layer_ids is not None:
-        expected.append(("target_layer_ids", list(layer_ids), "shards"))
-    for name, value, owner in expected:
-        actual = getattr(config, name)
-        actual = list(actual) if isinstance(actual, tuple) else actual
-        if actual != value:
-            raise PipelineError(f"{source}: drafter {name} is {actual!r}, but the {owner} has {value!r}")
-    if config.block_size < 2:
-        raise PipelineError(f"{source}: drafter block_size is {config.block_size}, it must be >= 2")
-    if not 0 <= config.mask_token_id < config.vocab_size:
-        raise PipelineError(f"{source}: drafter mask_token_id {config.mask_token_id} is outside the vocabulary (0..{config.vocab_size - 1})")
 
 
 def select_checkpoints(folders: list[Path], which, *, source: str = "params.yaml") -> list[Path]:
@@ -111,25 +95,16 @@ def load_candidates(*, checkpoint_folders: list[Path], baseline_dirs: list[Path]
     """
     candidates = []
     for folder in checkpoint_folders:
-        drafter, info = load_checkpoint(folder, device=device)
-        if info.get("target_fingerprint") != target.fingerprint:
-            raise PipelineError(f"{folder}/checkpoint.json: target_fingerprint {str(info.get('target_fingerprint'))[:12]}... "
-                                f"is not this target's {target.fingerprint[:12]}...")
-        check_drafter_contract(drafter.config, target=target, layer_ids=layer_ids, source=str(folder / "checkpoint.json"))
+        loaded = load_checked_checkpoint(folder, target=target, layer_ids=layer_ids, device=device)
         name = folder.name if folder.name not in {c.name for c in candidates} else str(folder)  # two runs' step_000900
-        candidates.append(Candidate(name=name, kind="checkpoint", path=folder, drafter=drafter, step=int(info["step"])))
+        candidates.append(Candidate(name=name, kind="checkpoint", path=folder, drafter=loaded.drafter, step=loaded.step))
     names = {c.name for c in candidates}
     for directory in baseline_dirs:
         directory = Path(directory)
-        drafter, info = load_dflash_drafter(directory, device=device)
-        trained_for = ((info.get("provenance") or {}).get("source") or {}).get("target_fingerprint")
-        if trained_for is not None and trained_for != target.fingerprint:
-            raise PipelineError(f"{directory}/dflash_pipeline.json: source.target_fingerprint {str(trained_for)[:12]}... "
-                                f"is not this target's {target.fingerprint[:12]}...")
-        check_drafter_contract(drafter.config, target=target, layer_ids=layer_ids, source=str(directory / "config.json"))
+        loaded = load_checked_export(directory, target=target, layer_ids=layer_ids, device=device)
         name = directory.name if directory.name not in names else str(directory)
         names.add(name)
-        candidates.append(Candidate(name=name, kind="baseline", path=directory, drafter=drafter))
+        candidates.append(Candidate(name=name, kind="baseline", path=directory, drafter=loaded.drafter))
     return candidates
 
 
