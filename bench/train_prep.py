@@ -2,7 +2,7 @@
 
     python bench/train_prep.py [--rounds 4] [--steps 6]
 
-Old: `prepare_step` as it was (tests/reference_prepare.py: anchors drawn sequence by sequence,
+Old: `prepare_step` as it was (tests/oracles/train_prep.py: anchors drawn sequence by sequence,
 the whole step's top-K concatenated and converted before its slots' rows are gathered). New: the
 stage's `prepare_step` (one step-wide anchor draw, only the slots' top-K rows converted). Both
 prepare the same steps of the same plan, alternating round by round in this one process, and the
@@ -52,7 +52,7 @@ def _samples(count: int, *, width: int, top_k: int, answer_vocab, seed: int = 0)
 
 def _old_prepare(run, step):
     from dflash_pipeline.train.run import PreparedStep, training_anchor_seed
-    from reference_prepare import gathered_training_targets, per_sequence_build_batch
+    from oracles.train_prep import gathered_training_targets, per_sequence_build_batch
 
     config, indices = run.config, run.plan[step]
     samples = [run.train_set[index] for index in indices]
@@ -94,7 +94,7 @@ def _host_only(tokens: int, *, rounds: int) -> dict:
 
     from dflash_pipeline.data.blocks import build_batch
     from dflash_pipeline.train.loss import training_targets
-    from reference_prepare import gathered_training_targets, per_sequence_build_batch
+    from oracles.train_prep import gathered_training_targets, per_sequence_build_batch
 
     samples = _samples(400, width=5 * 576, top_k=32, answer_vocab=torch.arange(3, 9003))
     packed, count = [], 0

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import yaml
+from support.helpers import REPO_ROOT, run
 
-from conftest import REPO_ROOT, run
 from dflash_pipeline.foundation.errors import PipelineError
 
 

@@ -9,8 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from conftest import REPO_ROOT
+from support.helpers import REPO_ROOT
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -196,7 +195,7 @@ def test_a_pipeline_run_in_the_workspace_leaves_the_docs_check_passing(tiny_pipe
     on the tiny target, in a copy of this repository committed as it is), and the docs check still
     passes, since the page is the committed run's; built from the workspace, the nested metrics of
     the new run fill every table of the spec."""
-    from conftest import run
+    from support.helpers import run
 
     repo = tiny_pipeline
     for name in ("README.md", "dvc.lock"):

@@ -1,12 +1,11 @@
-"""The test lanes' guard (tests/conftest.py): a test that runs dvc or spawns a process through the
+"""The test lanes' guard (tests/support/lanes.py): a test that runs dvc or spawns a process through the
 shared helpers, or builds a DVC pipeline fixture, without the matching marker fails, naming it."""
 
 from types import SimpleNamespace
 
 import pytest
-
-import conftest
-from conftest import run, stage_env
+from support import lanes
+from support.helpers import run, stage_env
 
 
 def test_an_unmarked_test_may_not_spawn_a_process_or_run_dvc(tmp_path):
@@ -34,7 +33,7 @@ def test_a_pipeline_fixture_needs_the_dvc_marker():
                                get_closest_marker=lambda name: name if name in markers else None)
 
     with pytest.raises(pytest.fail.Exception, match=r"test_y uses the fixture tiny_pipeline: mark it @pytest.mark.dvc"):
-        conftest.pytest_runtest_setup(item())
+        lanes.check_lane_fixtures(item())
     with pytest.raises(pytest.fail.Exception):
-        conftest.pytest_runtest_setup(item("subprocess"))
-    conftest.pytest_runtest_setup(item("dvc", "slow"))
+        lanes.check_lane_fixtures(item("subprocess"))
+    lanes.check_lane_fixtures(item("dvc", "slow"))

@@ -19,12 +19,12 @@ import time
 import numpy as np
 import torch
 
-from dflash_pipeline.speculation.sampling import Sampling, draw, verify_chain
-from dflash_pipeline.decoding.static_decoder import cache_argument
 from dflash_pipeline.decoding.loop import DecodeRun
+from dflash_pipeline.decoding.static_decoder import cache_argument
 from dflash_pipeline.decoding.static_speculation import stored_features as as_stored
-from dflash_pipeline.foundation.devices import autocast, synchronize, timed
 from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.foundation.devices import autocast, synchronize, timed
+from dflash_pipeline.speculation.sampling import Sampling, draw, verify_chain
 from oracles.drafting import DraftCache, Proposal
 from oracles.trees import DraftTree, tree_attention_mask, tree_positions
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from dflash_pipeline.speculation.sampling import Sampling
-from dflash_pipeline.speculation.trees import ranked_candidates
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
 from dflash_pipeline.drafters.dflash2 import SelectedPath, select_paths
+from dflash_pipeline.speculation.sampling import Sampling
+from dflash_pipeline.speculation.trees import ranked_candidates
 from oracles.trees import build_draft_tree
 
 

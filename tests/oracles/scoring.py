@@ -10,7 +10,12 @@ import torch
 
 from dflash_pipeline.data.blocks import draw_anchors, scoring_anchor_seed
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
-from dflash_pipeline.measure.scoring import BlockScores, _anchors_cap, _joined, _score_logits
+from dflash_pipeline.measure.scoring import (
+    BlockScores,
+    _anchors_cap,
+    _joined,
+    _score_logits,
+)
 from dflash_pipeline.target.load import TargetHead
 from oracles.drafting import DraftCache, draft_hidden
 

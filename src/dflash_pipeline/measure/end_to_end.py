@@ -9,14 +9,17 @@ At T = 0 speculative decoding is lossless by construction; `summarize_end_to_end
 for token against plain decoding rather than trusting it."""
 
 from dataclasses import dataclass, field
+
 import numpy as np
 import torch
+
+from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
 from dflash_pipeline.decoding.loop import DecodeRun
-from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.decoding.static_speculation import Speculation
-from dflash_pipeline.measure.record import EndToEnd, Interval, Mismatch, TimeSplit
 from dflash_pipeline.foundation.progress import progress_iter
 from dflash_pipeline.foundation.stats import mean_ci95
+from dflash_pipeline.measure.record import EndToEnd, Interval, Mismatch, TimeSplit
+from dflash_pipeline.speculation.sampling import Sampling
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -20,8 +20,8 @@ runs too) builds its section, and `evaluate` alone decides how it is written.
 
 from dataclasses import dataclass, field
 
-from dflash_pipeline.speculation.modes import DecodingMode
 from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.speculation.modes import DecodingMode
 
 
 @dataclass(frozen=True)

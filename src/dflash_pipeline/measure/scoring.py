@@ -25,14 +25,25 @@ import numpy as np
 import torch
 
 from dflash_pipeline.data.blocks import build_batch, scoring_anchor_seed, valid_anchors
-from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.measure.record import Interval, TeacherForced
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.progress import progress_iter
-from dflash_pipeline.foundation.stats import acceptance_length, format_interval, mean_ci95_over_prompts, paired_difference as paired_prompt_difference
+from dflash_pipeline.foundation.stats import (
+    acceptance_length,
+    format_interval,
+    mean_ci95_over_prompts,
+)
+from dflash_pipeline.foundation.stats import (
+    paired_difference as paired_prompt_difference,
+)
+from dflash_pipeline.measure.record import Interval, TeacherForced
+from dflash_pipeline.speculation.trees import (
+    build_draft_tree_tensors,
+    ranked_candidates,
+    tree_streaks,
+)
 from dflash_pipeline.target.load import TargetHead
-from dflash_pipeline.speculation.trees import build_draft_tree_tensors, ranked_candidates, tree_streaks
 
 EVERY_ANCHOR = 1 << 30
 

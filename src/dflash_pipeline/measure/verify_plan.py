@@ -3,7 +3,10 @@ expected tokens per second, from the drafter's conditional acceptance and the ta
 forward cost per number of new tokens (`plan_verify_tokens`)."""
 
 from dataclasses import dataclass
+
 import numpy as np
+
+from dflash_pipeline.decoding.engine import forward_costs, speculative_decode
 from dflash_pipeline.decoding.static_speculation import Speculation
 
 

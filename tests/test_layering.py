@@ -1,0 +1,125 @@
+"""The package's shape, kept by tests: its wings are layers, each importing only itself and the
+wings below it; the stage wings never import each other; and every module a DVC stage runs is one
+of that stage's `deps` (so editing any of them makes exactly the stages that run it stale)."""
+
+import pytest
+import yaml
+from support.helpers import REPO_ROOT
+from support.imports import (
+    closure,
+    module_path,
+    package_imports,
+    package_modules,
+    stage_deps,
+    wings,
+)
+
+# The wings, ground up (README "Where things live"; src/dflash_pipeline/__init__.py). A wing imports
+# only itself and wings of earlier rows; the wings of one row never import each other.
+LAYERS = [
+    ["foundation"],   # errors, files, params, devices, statistics, progress
+    ["target"],       # the target model: a folder, the embedded GGUF, loading and fingerprinting
+    ["data"],         # prompt sets, answer tables, Arrow shards, training blocks and their masks
+    ["speculation"],  # sampling, draft trees, decoding modes: tensors, no model
+    ["drafters"],     # the drafter family, its checkpoints and serving format, loading a drafter folder
+    ["decoding"],     # the decoding engine: static caches, graphed steps, plain and speculative decoding
+    ["measure"],      # shared by train and evaluate: scoring, typed records, end-to-end runs, verify planning
+    ["generate", "capture", "train", "evaluate", "export", "integrity"],  # the stages (and run checks)
+    ["cli"],          # the console command
+]
+
+
+def layer_of() -> dict[str, int]:
+    return {wing: number for number, row in enumerate(LAYERS) for wing in row}
+
+
+def wing_imports() -> dict[str, set[str]]:
+    """Wing -> the other wings its modules import (anywhere in the module, function-level included)."""
+    known, graph = package_modules(), {}
+    for name in known:
+        wing = name.split(".")[0]
+        imported = {other.split(".")[0] for other in package_imports(module_path(name), known)}
+        graph.setdefault(wing, set()).update(imported - {wing})
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Every wing-to-wing import that does not run strictly downwards."""
+    return sorted(f"{wing} -> {other}" for wing, others in graph.items() for other in others
+                  if layers.get(other, len(LAYERS)) >= layers.get(wing, -1))
+
+
+def wing_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of the wing graph (each found once, from its first wing in sorted order)."""
+    cycles = []
+
+    def walk(start, wing, path):
+        for other in sorted(graph.get(wing, ())):
+            if other == start:
+                cycles.append(path + [start])
+            elif other not in path and other > start:
+                walk(start, other, path + [other])
+
+    for start in sorted(graph):
+        walk(start, start, [start])
+    return cycles
+
+
+def test_every_module_lives_in_a_wing_that_has_a_layer():
+    layers = layer_of()
+    loose = sorted(name for name in package_modules() if "." not in name and name not in wings())
+    assert not loose, f"modules outside any wing: {loose} (src/dflash_pipeline/<wing>/<module>.py)"
+    assert wings() == set(layers), f"wings without a layer, or layers without a wing: {wings() ^ set(layers)}"
+
+
+def test_imports_run_downwards_and_no_wing_cycle():
+    graph = wing_imports()
+    assert upward_imports(graph, layer_of()) == []
+    assert wing_cycles(graph) == []
+
+
+def test_the_checks_see_an_upward_import_a_sideways_one_and_a_cycle():
+    layers = layer_of()
+    graph = {"data": {"drafters"}, "train": {"evaluate", "measure"}, "measure": {"decoding"}}
+    assert upward_imports(graph, layers) == ["data -> drafters", "train -> evaluate"]
+    assert wing_cycles({"drafters": {"decoding"}, "decoding": {"drafters"}, "data": {"foundation"}}) == [["decoding", "drafters", "decoding"]]
+
+
+def _stages():
+    return yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
+
+
+@pytest.mark.parametrize("stage", sorted(_stages()))
+def test_a_stage_depends_on_every_package_module_it_runs(stage):
+    spec = _stages()[stage]
+    script = spec["cmd"].split()[1]
+    assert script == f"stages/{stage}.py", f"{stage}: cmd runs {script}"
+    deps = set(spec["deps"])
+    assert script in deps, f"dvc.yaml: stage {stage} does not depend on its own script {script}"
+    needed = set(stage_deps(REPO_ROOT / script))
+    fix = "(python tests/support/imports.py --sync-dvc-yaml rewrites them)"
+    missing = sorted(needed - deps)
+    assert not missing, f"dvc.yaml: stage {stage} runs {missing} but does not list them in deps {fix}"
+    extra = sorted(d for d in deps if d.startswith("src/") and d not in needed)
+    assert not extra, f"dvc.yaml: stage {stage} lists {extra}, which it never imports {fix}"
+
+
+def test_the_dependency_check_sees_function_level_and_indirect_imports(tmp_path):
+    # evaluate's script imports the package inside main(); the drafter model comes in through scoring.
+    evaluate = closure(REPO_ROOT / "stages" / "evaluate.py")
+    assert {"evaluate.run", "measure.scoring", "decoding.engine", "drafters.core", "data.blocks", "drafters.checkpoints",
+            "drafters.serving", "target.load"} <= evaluate
+    script = tmp_path / "stage.py"
+    script.write_text("def main():\n    from dflash_pipeline.drafters.checkpoints import load_checkpoint\n")
+    assert closure(script) >= {"drafters.checkpoints", "drafters.core", "foundation.errors", "foundation.files"}
+
+
+@pytest.mark.parametrize("module, stage", [("evaluate.report", "evaluate"), ("train.report", "train")])
+def test_a_stage_report_is_a_dependency_of_its_own_stage_alone(module, stage):
+    # Editing evaluate's tables or plots (or train's curve) makes that stage stale and no other:
+    # its report module is in that stage's deps alone, and no other stage's script runs it.
+    path = str(module_path(module).relative_to(REPO_ROOT))
+    stages = _stages()
+    listed = {name for name, spec in stages.items() if path in spec["deps"]}
+    runs = {name for name in stages if module in closure(REPO_ROOT / "stages" / f"{name}.py")}
+    assert listed == runs == {stage}, f"{path}: listed in the deps of {sorted(listed)}, run by {sorted(runs)}"
