@@ -2,7 +2,7 @@
 
 Stages: target -> generate -> capture -> train -> evaluate -> export, driven by DVC (dvc.yaml).
 `stages/*.py` are thin click commands; the logic lives in this package's wings, which are layers,
-ground up (a wing imports only itself and the wings above it in this list; the stage wings never
+ground up (a wing imports only itself and the wings listed before it; the stage wings never
 import each other; tests/test_layering.py keeps it so):
 
     foundation   errors, atomic files, the safetensors reader, params, devices, statistics, progress
