@@ -13,7 +13,7 @@ touched (your params.yaml, data/, dvc.lock and DVC cache stay as they are):
    and a demo params.yaml (DEMO_PARAMS below, then any --set KEY=VALUE), checked by `load_params`;
 3. `dvc repro`: target, generate, capture, train, evaluate, export; then `dvc metrics show`;
 4. the console command on the demo's outputs: `show` of the export, `verify-shards` of the
-   capture, `generate` with the exported drafter (against plain decoding), and `evaluate` of the
+   capture, `decode` with the exported drafter (against plain decoding), and `evaluate` of the
    chosen checkpoint against its own export.
 
 The converted target (data/target/model, ~540 MB) is the slow part of a first run: the scratch
@@ -44,7 +44,7 @@ DEMO_PARAMS = {
     "evaluate": {"anchors_per_sequence": 16, "tree_budgets": [4], "num_prompts": 2, "max_new_tokens": 32},
 }
 VAL_PROMPTS, TRAIN_PROMPTS = 2, 8  # the first rows of default.jsonl are its pinned val prompts; train rows follow them
-GENERATE_PROMPT = "Write a Python function that reverses a string."
+DECODE_PROMPT = "Write a Python function that reverses a string."
 
 
 def demo_prompts(source: Path) -> list[str]:
@@ -165,8 +165,8 @@ def main(scratch: Path, overrides: tuple[str, ...], commands: bool) -> None:
         best = json.loads((scratch / "data" / "eval" / "best.json").read_text())["path"]
         steps.run("dflash-pipeline show", cli + ["show", "data/export/drafter"])
         steps.run("dflash-pipeline verify-shards", cli + ["verify-shards", "data/hidden", "--target", target])
-        steps.run("dflash-pipeline generate", cli + ["generate", GENERATE_PROMPT, "--target", target, "--drafter", "data/export/drafter",
-                                                     "--max-new-tokens", 32, "--compare"])
+        steps.run("dflash-pipeline decode", cli + ["decode", DECODE_PROMPT, "--target", target, "--drafter", "data/export/drafter",
+                                                   "--max-new-tokens", 32, "--compare"])
         steps.run("dflash-pipeline evaluate", cli + ["evaluate", best, "data/export/drafter", "--target", target, "--shards", "data/hidden/val",
                                                      "--prompts", "data/generated/val.parquet", "--e2e-prompts", 1, "--max-new-tokens", 16,
                                                      "--tree-budgets", 4, "--temperatures", 0])

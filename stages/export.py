@@ -5,7 +5,7 @@
 The folder loads unchanged in z-lab/dflash (`DFlashDraftModel.from_pretrained`), SGLang
 (`--speculative-algorithm DFLASH --speculative-draft-model-path data/export/drafter`) and vLLM. Its
 provenance file also records the decoding mode evaluate measured fastest for the checkpoint
-(best.json's `best_mode`), which `dflash-pipeline generate` decodes with at T = 0.
+(best.json's `best_mode`), which `dflash-pipeline decode` decodes with at T = 0.
 """
 
 from pathlib import Path

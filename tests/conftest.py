@@ -203,6 +203,15 @@ def tiny_run(tiny_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def cli_run(tiny_llama_dir, tmp_path_factory):
+    """For the console command's tests: target fingerprint, generated val prompts, captured shards and
+    one checkpoint (step 4) on the tiny Llama, plus a float32 export of it (support/console.py)."""
+    from support.console import build_cli_run
+
+    return build_cli_run(tmp_path_factory.mktemp("cli"), tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
 def zlab_draft_model_class():
     """z-lab's DFlashDraftModel: the `dflash` package from PyPI (dflash==0.1.0, which `make install` puts in
     the venv), or, when DFLASH_ZLAB_PATH is set, the z-lab/dflash checkout it names (put first on sys.path).

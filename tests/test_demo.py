@@ -62,7 +62,7 @@ def test_the_demo_runs_every_stage_and_command_on_the_tiny_target(tiny_llama_dir
     output = result.stdout
     for stage in ("target", "generate", "capture", "train", "evaluate", "export"):
         assert f"Running stage '{stage}'" in output, stage
-    for command in ("show", "verify-shards", "generate", "evaluate"):
+    for command in ("show", "verify-shards", "decode", "evaluate"):
         assert f"  dflash-pipeline {command} " in output, command  # its line in the time table: it ran and passed
     assert "identical answers" in output and (scratch / "data" / "export" / "drafter" / "config.json").is_file()
     assert not (scratch / "data" / "target" / "model").exists()  # a model folder target is referenced, never copied

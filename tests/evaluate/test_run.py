@@ -559,7 +559,7 @@ def test_a_sliding_window_target_decodes_trees_end_to_end_losslessly(tiny_slidin
     """transformers' sliding-window cache drops old entries, and tree verification moves the
     accepted path's entries inside the cache: evaluate used to decode chains only on such a target.
     The static engine keeps every key with its position, so evaluate decodes the trees end to end,
-    lossless, and `generate --tree-budget` answers as plain decoding does."""
+    lossless, and `decode --tree-budget` answers as plain decoding does."""
     from click.testing import CliRunner
     from support.helpers import write_generated
 
@@ -596,7 +596,7 @@ def test_a_sliding_window_target_decodes_trees_end_to_end_losslessly(tiny_slidin
     assert not any("sliding" in why for why in chosen.decoding.best.refused.values())
 
     common = ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "checkpoints" / "step_000002"), "--max-new-tokens", "8"]
-    tree = CliRunner().invoke(main, ["generate", "Hi", *common, "--tree-budget", "4", "--compare"])
+    tree = CliRunner().invoke(main, ["decode", "Hi", *common, "--tree-budget", "4", "--compare"])
     assert tree.exit_code == 0 and "identical answers" in tree.output, tree.output
 
 

@@ -34,7 +34,8 @@ def test_every_command_that_runs_a_model_takes_the_one_device_option():
     commands.update({f"dflash-pipeline {name}": command for name, command in main.commands.items()})
     with_device = {name for name, command in commands.items() if any(p.name == "device" for p in command.params)}
     assert with_device == {"stages/generate.py", "stages/capture.py", "stages/train.py", "stages/evaluate.py",
-                           "dflash-pipeline evaluate", "dflash-pipeline generate"}
+                           "dflash-pipeline evaluate", "dflash-pipeline decode",
+                           "dflash-pipeline generate"}  # decode's old name, for one release
     for name in with_device:
         option = next(p for p in commands[name].params if p.name == "device")
         assert isinstance(option.type, DeviceChoice) and option.default == "auto", name
@@ -52,6 +53,8 @@ def test_a_device_this_torch_lacks_stops_a_stage_in_one_line_before_anything_is_
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: --device {device if device != 'tpu' else repr(device)}: "), result.stderr
     assert lines[0].endswith(f"available here: auto, cpu (see '{stage_command(stage).name} --help')") and "Traceback" not in result.output
+    if device == "tpu":  # no device at all: the line names the choices, as the console command's does
+        assert "not a device (auto, cpu, cuda, cuda:N)" in lines[0], lines[0]
     assert not out.exists() and not list(tmp_path.iterdir())
 
 

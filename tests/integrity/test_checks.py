@@ -2,7 +2,7 @@
 which DVC alone restores from its run cache and relinks onto rebuilt files, is repaired by `make
 repro`'s own commands; and a killed capture's staging folder, which DVC's run cache leaves behind
 when it serves the rerun, is gone after them. (The checks and the repair themselves, without DVC:
-tests/cli/test_commands.py.)"""
+tests/cli/test_verify.py.)"""
 
 import hashlib
 

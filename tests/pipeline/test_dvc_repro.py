@@ -85,14 +85,14 @@ def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
     assert json.loads((repo / "data" / "generated" / "summary.json").read_text())["settings"]["engine"] == "static-kv"
     details = json.loads((repo / "data" / "eval" / "details.json").read_text())
     assert details["chain"]["engine"] == "static-kv" and "Running stage 'evaluate'" in again.stdout
-    # ... and in `dflash-pipeline generate`, which names it; the export carries the engine its best mode was measured on
+    # ... and in `dflash-pipeline decode`, which names it; the export carries the engine its best mode was measured on
     from click.testing import CliRunner
 
     from dflash_pipeline.cli import main
 
     provenance = json.loads((repo / "data" / "export" / "drafter" / "dflash_pipeline.json").read_text())
     assert provenance["source"]["best_mode"]["engine"] == "static-kv"
-    result = CliRunner().invoke(main, ["generate", "Say hi.", "--target", str(repo / "data" / "target" / "target.json"),
+    result = CliRunner().invoke(main, ["decode", "Say hi.", "--target", str(repo / "data" / "target" / "target.json"),
                                        "--drafter", str(repo / "data" / "export" / "drafter"), "--max-new-tokens", "8", "--compare"])
     assert result.exit_code == 0, result.output
     assert "on the static-kv engine" in result.output and result.output.strip().endswith("identical answers"), result.output

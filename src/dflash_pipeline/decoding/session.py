@@ -3,7 +3,7 @@
 Speculative decoding needs things that must agree: the target model (and its tokenizer), the
 target's frozen embedding and LM head (the drafter drafts through them), the decoder layers the
 drafter was trained on (the engine records their outputs itself), the drafter, and its decoding
-mode. The `generate` command, the evaluate stage's end-to-end decoding and the decoding benches
+mode. The `decode` command, the evaluate stage's end-to-end decoding and the decoding benches
 all take them from here:
 
     session = open_session(target, drafter, device="cpu")

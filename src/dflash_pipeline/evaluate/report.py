@@ -133,7 +133,7 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
 
 def best_mode_figures(best: BestMode) -> dict:
     """The best greedy mode as JSON: the section `best_mode` of eval.json and details.json, and of
-    best.json, where `dflash-pipeline generate` reads it (through the export's provenance file)."""
+    best.json, where `dflash-pipeline decode` reads it (through the export's provenance file)."""
     tau, tau_ci95 = (best.tau.mean, best.tau.ci95) if best.tau is not None else (None, None)
     mode = best.decoding_mode.as_dict() if best.decoding_mode is not None else {"mode": None, "verify_tokens": None, "tree_budget": None}
     return {"mode": mode["mode"], "speedup": best.speedup, "tau": tau, "tau_ci95": tau_ci95, "lossless_rate": best.lossless_rate,

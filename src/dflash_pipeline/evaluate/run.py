@@ -14,7 +14,7 @@ Two measurements (definitions in `scoring` and `engine`, and in the README):
 The best checkpoint is the one with the highest teacher-forced τ (not the lowest loss). Of each
 decoded drafter's lossless greedy modes (the chain at its verify length, each tree budget) the
 fastest measured is its best mode (`choose_decoding_mode`): what the headline speedup reports and
-what `dflash-pipeline generate` decodes with. This module picks and checks the candidates and runs
+what `dflash-pipeline decode` decodes with. This module picks and checks the candidates and runs
 the two measurements into the typed record (`record.Evaluation`); `evaluate.report` writes the files.
 """
 

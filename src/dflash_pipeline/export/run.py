@@ -3,7 +3,7 @@
 The folder records where it came from (checkpoint, step, target fingerprint, git revision) in its
 provenance file, so `evaluate` can refuse it for another target and `show` can say what it is;
 and, when the export stage passes it on from evaluate's best.json, the decoding mode evaluate
-measured fastest for it (`source.best_mode`), which `dflash-pipeline generate` then decodes with.
+measured fastest for it (`source.best_mode`), which `dflash-pipeline decode` then decodes with.
 """
 
 from pathlib import Path

@@ -1,7 +1,7 @@
 """The decoding mode: a chain with its verify length, or a DDTree with its node budget.
 
 One type from end to end: `evaluate` decodes and records modes by it (`record.BestMode`), the
-export carries its JSON form in its provenance (`source.best_mode`), and `dflash-pipeline generate`
+export carries its JSON form in its provenance (`source.best_mode`), and `dflash-pipeline decode`
 reads it back. Its name ("chain", "tree8") is the key of the per-mode figures in eval.json; the
 name is made and read here and nowhere else.
 """
