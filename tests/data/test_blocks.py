@@ -72,9 +72,9 @@ def test_a_batch_without_any_anchor_is_one_line():
 
 
 def test_the_sliding_window_masks_context_before_the_anchor():
-    sample = sample(list(range(10, 22)), [0, 0] + [1] * 10)
-    full = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1])
-    windowed = build_batch([sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1],
+    windowed_sample = sample(list(range(10, 22)), [0, 0] + [1] * 10)
+    full = build_batch([windowed_sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1])
+    windowed = build_batch([windowed_sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1],
                            sliding_window=3)
     anchors = windowed.block_positions.view(-1, 4)[:, 0].repeat_interleave(4)
     keys = torch.arange(12)
