@@ -47,4 +47,5 @@ class TrainingRun:
     seconds: float = 0.0  # training time so far, resumed runs included
 
 
+# The reported loss (the progress bar, train.json, a checkpoint's metrics) is the mean of this many latest step losses.
 LOSS_WINDOW = 20
