@@ -47,11 +47,14 @@ steps = int(steps)
 config = replace(params.train, max_steps=steps, eval_every=steps, save_every=steps, resume=False)
 result = run_train(config, target=target, train_dir=out / "hidden" / "train", val_dir=out / "hidden" / "val", out_dir=out / "ck",
                    device="cpu", log=lambda *_: None)
-seconds = {row["step"]: row["seconds"] for row in result["curve"] if "seconds" in row}
+# A baseline from before the typed train record returns a dict.
+curve = result["curve"] if isinstance(result, dict) else result.curve
+tau_tf = result["tau_tf"] if isinstance(result, dict) else (result.held_out.tau.mean if result.held_out else None)
+seconds = {row["step"]: row["seconds"] for row in curve if "seconds" in row}
 print(json.dumps({"capture_seconds": capture_seconds, "capture_tokens": sum(m["tokens"] for m in manifests.values()),
                   "shards": {s: [shard["sha256"] for shard in m["shards"]] for s, m in manifests.items()},
                   "step_ms": (seconds[32] - seconds[16]) / 16 * 1e3 if 16 in seconds and 32 in seconds else None,
-                  "losses": {row["step"]: row["loss"] for row in result["curve"]}, "tau_tf": result["tau_tf"],
+                  "losses": {row["step"]: row["loss"] for row in curve}, "tau_tf": tau_tf,
                   "threads": torch.get_num_threads()}))
 '''
 

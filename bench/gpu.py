@@ -132,7 +132,9 @@ def train_step_figures(work: Path, target, train_config, *, device: str, steps: 
     Each variant runs in its own try under its own time limit: one that fails loses its row."""
     from dflash_pipeline.foundation.devices import bf16_peak_tflops, timed
     from dflash_pipeline.drafters.core import training_flops
-    from dflash_pipeline.train.run import StepPrefetcher, prepare_step, read_back, setup_run, train_step
+    from dflash_pipeline.train.run import setup_run
+    from dflash_pipeline.train.step import read_back, train_step
+    from dflash_pipeline.train.prepare import StepPrefetcher, prepare_step
 
     peak = bf16_peak_tflops(device)
     figures, errors = {}, {}
@@ -268,7 +270,7 @@ def train_and_evaluate(work: Path, target, train_config, evaluate_config, *, dev
     best = result.record.chosen_record
     scored, chain = best.teacher_forced, best.decoding.chain if best.decoding else None
     streak = scored.ddtree_streak.get(8)
-    return {"pipeline_train_steps": steps, "pipeline_train_step_ms_measured": measured_ms, "pipeline_train_seconds": trained["seconds"],
+    return {"pipeline_train_steps": steps, "pipeline_train_step_ms_measured": measured_ms, "pipeline_train_seconds": trained.seconds,
             "pipeline_block_size": config.block_size,
             "pipeline_tau": scored.tau.mean, "pipeline_tau_ci95": scored.tau.ci95, "pipeline_ddtree8_streak": streak.mean if streak else None,
             "e2e_tau": chain.tau.mean if chain else None, "e2e_speedup": chain.speedup if chain else None,

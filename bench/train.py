@@ -35,7 +35,8 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
     from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.drafters.build import choose_architecture
-    from dflash_pipeline.train.run import TrainingRun, _loss_function, read_back, train_step
+    from dflash_pipeline.train.step import loss_function, read_back, train_step
+    from dflash_pipeline.train.state import TrainingRun
 
     drafter = DFlashDrafter(drafter_state["config"]).to(device)
     drafter.load_state_dict(drafter_state["weights"])
@@ -43,7 +44,7 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
                       optimizer=torch.optim.AdamW(drafter.parameters(), lr=config.lr, betas=(0.9, 0.95), fused=True),
                       train_set=_Source(sample), val_set=None, plan=plan, mask_token_id=mask_token_id, gamma=gamma, record={}, device=device,
                       attention=attention, loss_options=choose_architecture(config).loss_options, lengths=lengths)
-    run.loss_fn = _loss_function(run)
+    run.loss_fn = loss_function(run)
     rows, seconds = timed(lambda: read_back(run, [train_step(run, step) for step in range(len(plan))]), device)
     return seconds, sum(row["context_tokens"] for row in rows), sum(row["trained_positions"] for row in rows), drafter
 
@@ -65,7 +66,7 @@ def main(hidden, target_json, steps, rounds, device):
     from dflash_pipeline.target.load import TargetInfo, load_target_head
     from dflash_pipeline.train.loss import TrainingVocabulary
     from dflash_pipeline.drafters.build import drafter_config_for
-    from dflash_pipeline.train.run import plan_steps
+    from dflash_pipeline.train.schedule import plan_steps
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = load_params("params.yaml").train

@@ -51,7 +51,8 @@ def _samples(count: int, *, width: int, top_k: int, answer_vocab, seed: int = 0)
 
 
 def _old_prepare(run, step):
-    from dflash_pipeline.train.run import PreparedStep, training_anchor_seed
+    from dflash_pipeline.data.blocks import training_anchor_seed
+    from dflash_pipeline.train.prepare import PreparedStep
     from oracles.train_prep import gathered_training_targets, per_sequence_build_batch
 
     config, indices = run.config, run.plan[step]
@@ -70,7 +71,9 @@ def _make_run(config, samples, head, vocabulary, drafter_config, drafter_state):
     from dflash_pipeline.drafters.build import choose_architecture
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.train.loss import default_gamma
-    from dflash_pipeline.train.run import TrainingRun, _loss_function, plan_steps
+    from dflash_pipeline.train.step import loss_function
+    from dflash_pipeline.train.state import TrainingRun
+    from dflash_pipeline.train.schedule import plan_steps
 
     drafter = DFlashDrafter(drafter_config)
     drafter.load_state_dict(drafter_state)
@@ -82,7 +85,7 @@ def _make_run(config, samples, head, vocabulary, drafter_config, drafter_state):
                       plan=plan_steps(lengths, tokens_per_step=config.tokens_per_step, max_steps=config.max_steps, seed=config.seed),
                       mask_token_id=drafter_config.mask_token_id, gamma=default_gamma(config.block_size), record={}, device="cpu",
                       attention="sdpa", loss_options=choose_architecture(config).loss_options, lengths=lengths)
-    run.loss_fn = _loss_function(run)
+    run.loss_fn = loss_function(run)
     return run
 
 
@@ -138,7 +141,8 @@ def main(rounds, steps, tokens_per_step, block_size, host_tokens, out_path):
     from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
     from dflash_pipeline.target.load import TargetHead
     from dflash_pipeline.train.loss import TrainingVocabulary
-    from dflash_pipeline.train.run import prepare_step, read_back, train_step
+    from dflash_pipeline.train.step import read_back, train_step
+    from dflash_pipeline.train.prepare import prepare_step
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     params = load_params(ROOT / "params.yaml")

@@ -103,7 +103,7 @@ def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
             probe = replace(base, max_steps=6, eval_every=10**6, save_every=10**6, **overrides)
             with tempfile.TemporaryDirectory() as scratch:
                 curve = train_module.run_train(probe, target=target, train_dir=hidden / "train", val_dir=hidden / "val",
-                                               out_dir=Path(scratch), device="cpu", log=lambda *_: None)["curve"]
+                                               out_dir=Path(scratch), device="cpu", log=lambda *_: None).curve
             step_seconds = (curve[-1]["seconds"] - curve[0]["seconds"]) / (len(curve) - 1)
             steps = max(10, int(minutes * 60 / step_seconds))
         config = replace(base, max_steps=steps, eval_every=eval_every, save_every=10**6, **overrides)
@@ -114,7 +114,7 @@ def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
         scores = score_teacher_forced(drafter, head, val_set, anchors_per_sequence=evaluate.anchors_per_sequence,
                                       tokens_per_batch=evaluate.tokens_per_batch, tree_budgets=[8], seed=evaluate.seed)
         scored = summarize_blocks(scores)
-        final = {"recipe": name, "steps": steps, "train_seconds": result["seconds"], "tau": scored.tau.mean, "tau_ci95": scored.tau.ci95,
+        final = {"recipe": name, "steps": steps, "train_seconds": result.seconds, "tau": scored.tau.mean, "tau_ci95": scored.tau.ci95,
                  "blocks": scored.blocks, "prompts": scored.prompts, "ddtree8_streak": scored.ddtree_streak[8].mean,
                  "slot_acceptance": scored.slot_acceptance, "slot_acceptance_conditional": scored.slot_acceptance_conditional,
                  "extras": scored.extras}
@@ -125,12 +125,13 @@ def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
             final.update(tau_vs_first=round(mean, 4), tau_vs_first_ci95=round(half, 4))
             print(comparison_verdict(name, reference[0], mean, half, prompts), flush=True)
         finals.append(final)
-        for row in result["curve"]:
+        for row in result.curve:
             if "tau" in row:
                 rows.append({"recipe": name, "step": row["step"], "seconds": row["seconds"], "loss": row["loss"],
                              "tau": row["tau"], "tau_ci95": row["tau_ci95"]})
-        print(f"{name:32s} {steps:5d} steps  tau {result['tau_tf']:.3f} +- {result['tau_tf_ci95']:.3f}  "
-              f"loss {result['loss']:.3f}  slots {[round(a, 3) for a in result['slot_accuracy'][:4]]}", flush=True)
+        held_out = result.held_out
+        print(f"{name:32s} {steps:5d} steps  tau {held_out.tau.mean:.3f} +- {held_out.tau.ci95:.3f}  "
+              f"loss {result.loss:.3f}  slots {[round(a, 3) for a in held_out.slot_accuracy[:4]]}", flush=True)
     out.with_suffix(".json").write_text(json.dumps(finals, indent=2) + "\n")
     print(f"{'recipe':32s} {'steps':>5s} {'tau (evaluate)':>16s} {'vs first':>18s} {'ddtree8':>8s} slot1")
     for final in finals:

@@ -27,19 +27,19 @@ def main(params_path, hidden_dir, target_json, out_dir, metrics_path, plots_dir,
     offline_by_default()
     from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.foundation.stats import format_interval
-    from dflash_pipeline.train.report import write_train_outputs
     from dflash_pipeline.target.load import TargetInfo
+    from dflash_pipeline.train.report import write_train_outputs
     from dflash_pipeline.train.run import run_train
 
     config = load_params(params_path).train
     target = TargetInfo.from_json(target_json)
-    result = run_train(config, target=target, train_dir=hidden_dir / "train", val_dir=hidden_dir / "val",
+    record = run_train(config, target=target, train_dir=hidden_dir / "train", val_dir=hidden_dir / "val",
                        out_dir=out_dir, device=device, source=str(params_path))
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    write_train_outputs(result, metrics_path=metrics_path, plots_dir=plots_dir)
-    click.echo(f"train: step {result['steps']}, loss {result['loss']}, held-out teacher-forced tau "
-               f"{format_interval(result['tau_tf'], result['tau_tf_ci95'], digits=4)}, {result['tokens_per_s']} context tokens/s")
+    metrics = write_train_outputs(record, metrics_path=metrics_path, plots_dir=plots_dir)
+    click.echo(f"train: step {metrics['steps']}, loss {metrics['loss']}, held-out teacher-forced tau "
+               f"{format_interval(metrics['tau_tf'], metrics['tau_tf_ci95'], digits=4)}, {metrics['tokens_per_s']} context tokens/s")
 
 
 if __name__ == "__main__":

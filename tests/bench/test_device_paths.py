@@ -15,7 +15,7 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 | bf16 features kept on the device | static_speculation.stored_features | test_as_stored_bf16_equals_the_shard_round_trip |
 | synchronised timing | devices.synchronize / timed (engine, bench/*) | tests/foundation/test_devices.py::test_timing_helper (CPU: no-op sync) |
 | `non_blocking=True` copies | blocks.Batch.to | every train test (a plain copy on CPU); pinned memory is not used |
-| NCCL process group, `cuda:LOCAL_RANK` | train._init_distributed, capture | NOT on CPU: the same code with gloo runs in test_train / test_capture |
+| NCCL process group, `cuda:LOCAL_RANK` | train.distributed.init_distributed, capture | NOT on CPU: the same code with gloo runs in test_train / test_capture |
 | `bench/gpu.py` | bench | test_gpu_bench_dry_run (toy sizes, CPU), test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest |
 | `bench/gpu_probe.py`, `bench/gpu_check.sh` | bench | test_gpu_probe_dry_run, test_gpu_check_dry_run_prints_every_figure_of_the_check |
 """
@@ -89,7 +89,8 @@ def test_flex_backward_is_a_gpu_only_branch():
 def _one_step(tiny_run, tmp_path, bf16: bool):
     from support.stage_commands import TINY_TRAIN
 
-    from dflash_pipeline.train.run import read_back, setup_run, train_step
+    from dflash_pipeline.train.run import setup_run
+    from dflash_pipeline.train.step import read_back, train_step
 
     target, root = tiny_run
     run = setup_run(TINY_TRAIN, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",

@@ -69,3 +69,15 @@ def test_soft_targets_are_the_targets_distribution_one_position_before_each_slot
 def test_a_batch_without_any_anchor_is_one_line():
     with pytest.raises(PipelineError, match="no sequence in this batch has two answer tokens in a row"):
         build_batch([sample([1, 2, 3], [1, 0, 1])], anchors_per_sequence=4, block_size=3, mask_token_id=0, anchor_seeds=[0])
+
+
+def test_the_sliding_window_masks_context_before_the_anchor():
+    windowed_sample = sample(list(range(10, 22)), [0, 0] + [1] * 10)
+    full = build_batch([windowed_sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1])
+    windowed = build_batch([windowed_sample], anchors_per_sequence=3, block_size=4, mask_token_id=99, anchor_seeds=[1],
+                           sliding_window=3)
+    anchors = windowed.block_positions.view(-1, 4)[:, 0].repeat_interleave(4)
+    keys = torch.arange(12)
+    visible = windowed.mask[:, :12]
+    assert torch.equal(visible, full.mask[:, :12] & (keys[None, :] >= anchors[:, None] - 3))
+    assert visible.sum() < full.mask[:, :12].sum() and torch.equal(windowed.mask[:, 12:], full.mask[:, 12:])

@@ -233,7 +233,7 @@ def test_a_third_architecture_trains_scores_decodes_and_exports_with_no_edit_els
                          architecture="gated-test", options={"gated-test": {"gate_init": 0.5, "gate_weight": 1.0}})
     result = run_train(config, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
                        out_dir=tmp_path / "ck", device="cpu", log=lambda *_: None)
-    gate_means = [row["gate_mean"] for row in result["curve"]]
+    gate_means = [row["gate_mean"] for row in result.curve]
     assert gate_means[0] == 0.5 and gate_means[-1] > gate_means[0]  # the extra term pulls the gates towards the prior (1)
     drafter, info = load_checkpoint(tmp_path / "ck" / "step_000004")
     assert drafter.config.architecture == "gated-test" and drafter.config.options.gate_init == 0.5

@@ -3,6 +3,7 @@
 import filecmp
 import json
 import sys
+from dataclasses import replace
 
 import yaml
 
@@ -48,6 +49,14 @@ def train_stage_cmd(tmp_path, tiny_run, out, launcher=(sys.executable,), **train
 # DFlash: the losses above are pinned for it; DFlash2 runs take `replace(TINY_TRAIN, architecture="dflash2")`.
 TINY_TRAIN = TrainConfig(num_layers=1, block_size=4, max_steps=6, tokens_per_step=400, anchors_per_sequence=4,
                          eval_every=3, save_every=3, eval_blocks=16, logits_chunk=64, lr=1e-3, architecture="dflash")
+
+# A DFlash2 drafter with a selector small enough for the tiny run.
+TINY_DFLASH2 = replace(TINY_TRAIN, architecture="dflash2", options={"dflash2": dict(selector_rank=8, selector_top_k=4)})
+
+
+def untimed(curve):
+    """A curve without its wall-clock column: what two runs of the same steps must share."""
+    return [{key: value for key, value in row.items() if key != "seconds"} for row in curve]
 
 
 def capture_metrics_path(out):

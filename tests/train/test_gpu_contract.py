@@ -88,7 +88,7 @@ def test_flex_attention_over_the_metadata_mask_equals_sdpa_over_the_dense_one():
 def test_cpu_losses_equal_the_ones_before_the_step_was_made_sync_free(tiny_run, tmp_path):
     golden = json.loads(GOLDEN.read_text())
     for name, config in GOLDEN_CONFIGS.items():
-        curve = train_tiny_run(tiny_run, tmp_path / name, config)["curve"]
+        curve = train_tiny_run(tiny_run, tmp_path / name, config).curve
         assert len(curve) == len(golden[name])
         for row, before in zip(curve, golden[name]):
             assert set(row) - {"seconds"} == set(before), name
@@ -110,11 +110,13 @@ def test_a_steady_state_train_step_reads_nothing_back_from_the_device(tiny_run, 
     """Over 40 steps the training loop reads device values only when the curve is read back:
     once every READ_EVERY steps and at the end (validation and checkpoints, which are not
     steady-state steps, and the host's batch building are left out of the count)."""
+    import dflash_pipeline.train.prepare as prepare_module
     import dflash_pipeline.train.run as train_run
 
     target, root = tiny_run
     reads = DeviceReads()
-    for name in ("prepare_step", "validation_tau", "_save", "setup_run"):
+    monkeypatch.setattr(prepare_module, "prepare_step", Paused(reads, prepare_module.prepare_step))  # what the prefetcher calls
+    for name in ("validation_tau", "save_checkpoint", "setup_run"):
         monkeypatch.setattr(train_run, name, Paused(reads, getattr(train_run, name)))
     read_back = train_run.read_back
     flushes = []
@@ -136,27 +138,29 @@ def test_the_compiled_step_is_one_graph_that_never_recompiles(tiny_run, tmp_path
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import dflash_pipeline.train.run as train_run
+    from dflash_pipeline.train.prepare import prepare_step
+    from dflash_pipeline.train.run import setup_run
+    from dflash_pipeline.train.step import loss_function, read_back, train_step
 
     target, root = tiny_run
     config = replace(TINY_TRAIN, architecture="dflash2", max_steps=32, eval_every=32, save_every=32)
     losses = {}
     for compiled in (False, True):
-        run = train_run.setup_run(replace(config, compile=compiled), target=target, train_dir=root / "hidden" / "train",
-                                  val_dir=root / "hidden" / "val", out_dir=tmp_path / f"ck{compiled}", device="cpu", log=lambda *_: None)
+        run = setup_run(replace(config, compile=compiled), target=target, train_dir=root / "hidden" / "train",
+                        val_dir=root / "hidden" / "val", out_dir=tmp_path / f"ck{compiled}", device="cpu", log=lambda *_: None)
         if compiled:
             run.compile_backend = "aot_eager"
-            run.loss_fn = train_run._loss_function(run)
+            run.loss_fn = loss_function(run)
             torch._dynamo.reset()
             counters.clear()
         shapes = set()
         with torch._dynamo.config.patch(error_on_recompile=True):
             results = []
             for step in range(32):
-                prepared = train_run.prepare_step(run, step)
+                prepared = prepare_step(run, step)
                 shapes.add((tuple(prepared.batch.features.shape), tuple(prepared.batch.block_ids.shape)))
-                results.append(train_run.train_step(run, step, prepared))
-        losses[compiled] = [row["loss"] for row in train_run.read_back(run, results)]
+                results.append(train_step(run, step, prepared))
+        losses[compiled] = [row["loss"] for row in read_back(run, results)]
         if compiled:
             assert len(shapes) == 1  # padded to the static shape
             assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
@@ -209,20 +213,23 @@ def test_the_flex_forward_compiles_whole_with_the_mask_built_inside():
 def test_a_resident_split_gives_the_same_steps_as_packed_features(tiny_run, tmp_path, compiled):
     """On a GPU the train split's features live on the device and a step gathers its rows; the
     steps equal those over features packed on the host (forced here on the CPU), padded or not."""
-    import dflash_pipeline.train.run as train_run
+    from dflash_pipeline.train.features import ResidentFeatures
+    from dflash_pipeline.train.prepare import prepare_step
+    from dflash_pipeline.train.run import setup_run
+    from dflash_pipeline.train.step import loss_function, read_back, train_step
 
     target, root = tiny_run
     config = replace(TINY_TRAIN, architecture="dflash2", max_steps=5, compile=compiled)
     losses = {}
     for resident in (False, True):
-        run = train_run.setup_run(config, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
-                                  out_dir=tmp_path / f"ck{resident}", device="cpu", log=lambda *_: None)
+        run = setup_run(config, target=target, train_dir=root / "hidden" / "train", val_dir=root / "hidden" / "val",
+                        out_dir=tmp_path / f"ck{resident}", device="cpu", log=lambda *_: None)
         run.compile_backend = "aot_eager"
-        run.loss_fn = train_run._loss_function(run)
+        run.loss_fn = loss_function(run)
         if resident:
-            run.resident = train_run.ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1 << 30)
-            assert train_run.ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1000) is None  # too big: none
-        prepared = [train_run.prepare_step(run, step) for step in range(5)]
+            run.resident = ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1 << 30)
+            assert ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1000) is None  # too big: none
+        prepared = [prepare_step(run, step) for step in range(5)]
         assert all((p.batch.features is None) == resident for p in prepared)
-        losses[resident] = [row["loss_value"] for row in train_run.read_back(run, [train_run.train_step(run, s, prepared[s]) for s in range(5)])]
+        losses[resident] = [row["loss_value"] for row in read_back(run, [train_step(run, s, prepared[s]) for s in range(5)])]
     assert losses[True] == losses[False]

@@ -1,20 +1,42 @@
-"""The train stage's report: train.json (the final metrics) and the training curves (CSV for
-`dvc plots`, and a PNG of loss and held-out τ). Only `train` runs this module, so editing it
-makes no other stage stale. An interval that does not exist (one val prompt) is null in train.json
-and an empty cell in the CSV files (`files.csv_cell`)."""
+"""The train stage's report: train.json (the record's final figures, `to_metrics`) and the
+training curves (CSV for `dvc plots`, and a PNG of loss and held-out τ). Only `train` runs this
+module, so editing it makes no other stage stale. An interval that does not exist (one val prompt)
+is null in train.json and an empty cell in the CSV files (`files.csv_cell`)."""
 
 from pathlib import Path
 
 from dflash_pipeline.foundation.files import pyplot, save_figure, write_csv_atomic, write_metrics
+from dflash_pipeline.train.record import TrainRecord
+
+# train.json names the first few slots' held-out acceptance; the curves CSV has every slot.
+METRIC_SLOTS = 4
 
 
-def write_train_outputs(result: dict, *, metrics_path: Path, plots_dir: Path) -> dict:
-    """train.json (the final metrics, flat) and the curves (`write_curves`); returns the metrics."""
-    write_curves(result["curve"], plots_dir)
-    flat = {key: value for key, value in result.items() if not isinstance(value, list)}
-    flat.update({f"slot{k + 1}_acc": a for k, a in enumerate((result.get("slot_accuracy") or [])[:4])})
-    write_metrics(metrics_path, flat)
-    return flat
+def to_metrics(record: TrainRecord) -> dict:
+    """The record as train.json's flat keys (docs/metrics-keys.md): the one place they are named."""
+    held_out = record.held_out
+    metrics = {
+        "steps": record.steps,
+        "resumed_from": record.resumed_from,
+        "last_checkpoint": record.last_checkpoint,
+        "loss": record.loss,
+        "tau_tf": held_out.tau.mean if held_out else None,
+        "tau_tf_ci95": held_out.tau.ci95 if held_out else None,
+        "tokens_per_s": record.tokens_per_s,
+        "seconds": record.seconds,
+        "mask_token_id": record.mask_token_id,
+    }
+    slots = (held_out.slot_accuracy if held_out else None) or []
+    metrics.update({f"slot{k + 1}_acc": accuracy for k, accuracy in enumerate(slots[:METRIC_SLOTS])})
+    return metrics
+
+
+def write_train_outputs(record: TrainRecord, *, metrics_path: Path, plots_dir: Path) -> dict:
+    """train.json (`to_metrics`) and the curves (`write_curves`); returns the metrics."""
+    write_curves(record.curve, plots_dir)
+    metrics = to_metrics(record)
+    write_metrics(metrics_path, metrics)
+    return metrics
 
 
 def write_curves(curve: list[dict], plots_dir: Path) -> None:

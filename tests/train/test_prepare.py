@@ -1,7 +1,7 @@
 """A train step's host preparation, vectorised (issue #37 item 2): the batch and targets equal the
 per-sequence code they replaced tensor for tensor (`tests/oracles/train_prep.py`), a few steps on
 them give exactly the same fp32 losses, the top-K targets resident beside the features give the
-same losses, pinned memory is asked for only on a GPU, and the stage's own step measurement runs."""
+same losses, and pinned memory is asked for only on a GPU."""
 
 from dataclasses import replace
 
@@ -11,9 +11,13 @@ from oracles.train_prep import gathered_training_targets, per_sequence_build_bat
 from support.device_reads import random_samples
 from support.stage_commands import TINY_TRAIN
 
-import dflash_pipeline.train.run as train_run
-from dflash_pipeline.data.blocks import build_batch, draw_anchors
+import dflash_pipeline.train.prepare as prepare_module
+from dflash_pipeline.data.blocks import build_batch, draw_anchors, training_anchor_seed
+from dflash_pipeline.train.features import ResidentFeatures
 from dflash_pipeline.train.loss import training_targets
+from dflash_pipeline.train.prepare import PreparedStep, prepare_step
+from dflash_pipeline.train.run import setup_run
+from dflash_pipeline.train.step import read_back, train_step
 
 BATCH_FIELDS = ("features", "context_positions", "context_sequence", "block_ids", "block_positions", "labels", "exists", "block_sequence",
                 "feature_rows")
@@ -65,8 +69,8 @@ def test_prepared_batches_and_targets_equal_the_per_sequence_preparation(seed):
 
 def _setup(tiny_run, tmp_path, name, config):
     target, root = tiny_run
-    return train_run.setup_run(replace(config, resume=False), target=target, train_dir=root / "hidden" / "train",
-                               val_dir=root / "hidden" / "val", out_dir=tmp_path / name, device="cpu", log=lambda *_: None)
+    return setup_run(replace(config, resume=False), target=target, train_dir=root / "hidden" / "train",
+                     val_dir=root / "hidden" / "val", out_dir=tmp_path / name, device="cpu", log=lambda *_: None)
 
 
 def _reference_prepare(run, step):
@@ -76,15 +80,15 @@ def _reference_prepare(run, step):
     samples = [run.train_set[index] for index in indices]
     batch = per_sequence_build_batch(samples, anchors_per_sequence=config.anchors_per_sequence, block_size=run.drafter.config.block_size,
                                      mask_token_id=run.mask_token_id,
-                                     anchor_seeds=[train_run.training_anchor_seed(config.seed, step, i) for i in range(len(indices))],
+                                     anchor_seeds=[training_anchor_seed(config.seed, step, i) for i in range(len(indices))],
                                      sliding_window=run.drafter.config.sliding_window)
-    return train_run.PreparedStep(step, batch, gathered_training_targets(batch, samples, run.gamma),
-                                  sum(run.lengths[i] for i in indices), int(batch.exists.sum()))
+    return PreparedStep(step, batch, gathered_training_targets(batch, samples, run.gamma),
+                        sum(run.lengths[i] for i in indices), int(batch.exists.sum()))
 
 
 def _losses(run, prepare, steps):
-    results = [train_run.train_step(run, step, prepare(run, step)) for step in range(steps)]
-    return [row["loss_value"] for row in train_run.read_back(run, results)]
+    results = [train_step(run, step, prepare(run, step)) for step in range(steps)]
+    return [row["loss_value"] for row in read_back(run, results)]
 
 
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
@@ -94,13 +98,13 @@ def test_steps_on_the_new_preparation_give_exactly_the_old_losses(tiny_run, tmp_
     per-sequence preparation fed to the same step (distillation on, so the top-K is used)."""
     config = replace(TINY_TRAIN, architecture=architecture, distill_weight=0.5, max_steps=5)
     reference = _losses(_setup(tiny_run, tmp_path, "reference", config), _reference_prepare, 5)
-    assert _losses(_setup(tiny_run, tmp_path, "new", config), train_run.prepare_step, 5) == reference
+    assert _losses(_setup(tiny_run, tmp_path, "new", config), prepare_step, 5) == reference
     run = _setup(tiny_run, tmp_path, "resident", config)
-    run.resident = train_run.ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1 << 30)
+    run.resident = ResidentFeatures.upload(run.train_set, run.lengths, "cpu", budget_bytes=1 << 30)
     assert run.resident is not None and run.resident.topk_ids is not None
-    prepared = train_run.prepare_step(run, 0)
+    prepared = prepare_step(run, 0)
     assert prepared.batch.features is None and prepared.targets.soft_ids is None and prepared.targets.soft_rows is not None
-    assert _losses(run, train_run.prepare_step, 5) == reference
+    assert _losses(run, prepare_step, 5) == reference
 
 
 def test_targets_are_pinned_only_for_a_gpu(tiny_run, tmp_path, monkeypatch):
@@ -117,22 +121,14 @@ def test_targets_are_pinned_only_for_a_gpu(tiny_run, tmp_path, monkeypatch):
     assert pinned == [tuple(targets.weights.shape), tuple(targets.soft_ids.shape), tuple(targets.soft_logprobs.shape)]
 
     seen = []
-    original = train_run.training_targets
-    monkeypatch.setattr(train_run, "training_targets", lambda *a, **k: seen.append(k["pin_memory"]) or original(*a, **{**k, "pin_memory": False}))
+    original = prepare_module.training_targets
+    monkeypatch.setattr(prepare_module, "training_targets", lambda *a, **k: seen.append(k["pin_memory"]) or original(*a, **{**k, "pin_memory": False}))
     batch_pinned = []
-    original_build = train_run.build_batch
-    monkeypatch.setattr(train_run, "build_batch", lambda *a, **k: batch_pinned.append(k["pin_memory"]) or original_build(*a, **{**k, "pin_memory": False}))
+    original_build = prepare_module.build_batch
+    monkeypatch.setattr(prepare_module, "build_batch", lambda *a, **k: batch_pinned.append(k["pin_memory"]) or original_build(*a, **{**k, "pin_memory": False}))
     run = _setup(tiny_run, tmp_path, "pin", replace(TINY_TRAIN, distill_weight=0.5))
-    train_run.prepare_step(run, 0)
+    prepare_step(run, 0)
     run.device = "cuda:0"  # prepare_step only reads the name; nothing touches a device here
-    train_run.prepare_step(run, 0)
+    prepare_step(run, 0)
     assert seen == batch_pinned == [False, True]
 
-
-def test_the_step_measurement_includes_host_preparation(tiny_run, tmp_path):
-    run = _setup(tiny_run, tmp_path, "measure", replace(TINY_TRAIN, max_steps=6))
-    figures = train_run.measure_train_steps(run, steps=4, warmup=2)
-    assert figures["steps"] == 4 and figures["prefetch_thread"] is False
-    assert figures["step_ms"] > 0 and 0 < figures["host_prepare_ms"] and figures["context_tokens_per_s"] > 0
-    with pytest.raises(train_run.PipelineError, match="at least 9"):
-        train_run.measure_train_steps(run, steps=7, warmup=2)
