@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
     """Seconds in the drafter forwards, the head's matmul and the logits' scoring (one batched run)."""
-    from dflash_pipeline.evaluate import scoring as scoring
+    from dflash_pipeline.measure import scoring
     from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.drafters.core import DFlashDrafter
 
