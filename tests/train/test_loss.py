@@ -6,7 +6,8 @@ import torch
 
 from dflash_pipeline.data.blocks import build_batch
 from dflash_pipeline.data.shards import Sample
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.train.loss import (

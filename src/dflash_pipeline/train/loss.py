@@ -24,7 +24,8 @@ import torch
 
 from dflash_pipeline.data.blocks import Batch
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.drafters.core import DFlashDrafter, TokenColumns
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.token_columns import TokenColumns
 from dflash_pipeline.target.load import TargetHead
 
 

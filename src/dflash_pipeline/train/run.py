@@ -41,7 +41,8 @@ from dflash_pipeline.drafters.build import choose_architecture, choose_mask_toke
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import sha256_file
 from dflash_pipeline.train.loss import TrainingTargets, TrainingVocabulary, block_loss, default_gamma, training_targets
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.measure.scoring import per_slot_acceptance, score_teacher_forced
 from dflash_pipeline.data.shards import ShardDataset, open_split
 from dflash_pipeline.foundation.stats import mean_ci95_over_prompts
