@@ -131,7 +131,7 @@ def train_step_figures(work: Path, target, train_config, *, device: str, steps: 
     alone is timed apart (`host_prepare_ms`): above the step time it is what bounds the stage.
     Each variant runs in its own try under its own time limit: one that fails loses its row."""
     from dflash_pipeline.foundation.devices import bf16_peak_tflops, timed
-    from dflash_pipeline.drafters.core import training_flops
+    from dflash_pipeline.drafters.flops import training_flops
     from dflash_pipeline.train.run import setup_run
     from dflash_pipeline.train.step import read_back, train_step
     from dflash_pipeline.train.prepare import StepPrefetcher, prepare_step
@@ -338,7 +338,7 @@ def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> 
 
     from dflash_pipeline.data import blocks
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
-    from dflash_pipeline.drafters.core import to_block_mask
+    from dflash_pipeline.drafters.attention import to_block_mask
     from dflash_pipeline.foundation.devices import autocast, bf16_by_default, timed
     from dflash_pipeline.measure.scoring import score_teacher_forced
     from oracles.scoring import score_one_block_at_a_time

@@ -93,7 +93,8 @@ from dflash_pipeline.decoding import static_decoder  # noqa: E402
 from dflash_pipeline.decoding.static_decoder import use_static_sdpa  # noqa: E402
 from dflash_pipeline.decoding.static_speculation import SpeculativeStep  # noqa: E402
 from dflash_pipeline.foundation.devices import configure_attention  # noqa: E402
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.target.load import TargetHead  # noqa: E402
 
 FIGURES["transformers"] = transformers.__version__

@@ -61,7 +61,8 @@ def main(hidden, target_json, steps, rounds, device):
     from dflash_pipeline.train.loss import default_gamma
     from dflash_pipeline.foundation.devices import bf16_peak_tflops
     from dflash_pipeline.foundation.config import load_params
-    from dflash_pipeline.drafters.core import DFlashDrafter, count_parameters, training_flops
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.drafters.flops import count_parameters, training_flops
     from dflash_pipeline.data.shards import Sample, open_split
     from dflash_pipeline.target.load import TargetInfo, load_target_head
     from dflash_pipeline.train.loss import TrainingVocabulary

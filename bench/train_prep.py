@@ -138,7 +138,8 @@ def main(rounds, steps, tokens_per_step, block_size, host_tokens, out_path):
     from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.foundation.devices import machine_description
     from dflash_pipeline.drafters.build import choose_architecture
-    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.drafters.config import DrafterConfig
     from dflash_pipeline.target.load import TargetHead
     from dflash_pipeline.train.loss import TrainingVocabulary
     from dflash_pipeline.train.step import read_back, train_step

@@ -242,7 +242,8 @@ def tiny_target(tiny_llama_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.drafters.config import DrafterConfig
     from dflash_pipeline.target.load import LayerTap, TargetHead
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

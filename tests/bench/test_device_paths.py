@@ -31,8 +31,9 @@ from oracles.drafting import Proposal
 from support.helpers import REPO_ROOT, stage_env
 
 from dflash_pipeline.data.masks import dflash_mask
-from dflash_pipeline.drafters import core as model_module
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters import attention as attention_module
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.foundation import devices
 
 # ----------------------------------------------------------------------------- flex attention
@@ -63,14 +64,14 @@ def _tiny_drafter(**overrides) -> DFlashDrafter:
 def test_compiled_flex_attention_equals_sdpa(monkeypatch):
     """The GPU's training attention: flex_attention compiled by torch.compile with a BlockMask
     (here with inductor's CPU backend instead of Triton) against SDPA with the dense mask."""
-    monkeypatch.setattr(model_module, "COMPILE_FLEX_ON", ("cuda", "cpu"))
-    monkeypatch.setattr(model_module, "_COMPILED_FLEX", {})
+    monkeypatch.setattr(attention_module, "COMPILE_FLEX_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(attention_module, "_COMPILED_FLEX", {})
     drafter = _tiny_drafter()
     features, embeddings, positions, mask = _packed_blocks(drafter, torch.Generator().manual_seed(1))
     with torch.no_grad():
         sdpa = drafter.forward_blocks(features, torch.arange(40), embeddings, positions, mask, attention="sdpa")
         flex = drafter.forward_blocks(features, torch.arange(40), embeddings, positions, mask, attention="flex")
-    assert "cpu" in model_module._COMPILED_FLEX  # the compiled function ran, not the eager one
+    assert "cpu" in attention_module._COMPILED_FLEX  # the compiled function ran, not the eager one
     torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 

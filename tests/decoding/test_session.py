@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dflash_pipeline.decoding.session import open_session
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.speculation.sampling import Sampling
 

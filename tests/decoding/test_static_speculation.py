@@ -200,7 +200,8 @@ def test_every_layout_speculates_token_for_token_what_it_decodes_plainly(kind, m
     part-way and the answer is plain greedy decoding's, which is transformers' own."""
     from support.decoding import tiny_layout
 
-    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.drafters.config import DrafterConfig
     from dflash_pipeline.target.load import TargetHead
 
     model = tiny_layout(kind)

@@ -15,7 +15,7 @@ from support.drafters import random_drafter
 
 from dflash_pipeline.decoding.engine import speculative_decode
 from dflash_pipeline.decoding.static_speculation import Speculation
-from dflash_pipeline.drafters.core import DrafterConfig
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.drafters.serving import export_drafter
 from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.target.load import TargetHead

@@ -20,7 +20,8 @@ from dflash_pipeline.drafters.checkpoints import (
     state_path,
     step_folder,
 )
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import sha256_file
 
@@ -39,6 +40,24 @@ def test_a_checkpoint_round_trips_weights_config_metrics_and_record(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "model.safetensors"]
     loaded, info = load_checkpoint(folder)
     assert (info["step"], info["metrics"], info["target_fingerprint"]) == (12, {"loss": 1.5}, "abc")
+    assert loaded.config == drafter.config
+    for (name, ours), (other, theirs) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
+        assert name == other and torch.equal(ours, theirs)
+
+
+def test_a_checkpoint_from_before_the_options_were_nested_loads_the_same_drafter(tmp_path):
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=8, vocab_size=50, block_size=4, target_layer_ids=(0, 2), num_target_layers=3,
+                                          mask_token_id=49, architecture="dflash2",
+                                          options=dict(conv_kernel_size=3, conv_group_size=8, selector_rank=6, selector_top_k=5)))
+    folder = save_checkpoint(tmp_path, step=4, drafter=drafter, record={}, metrics={})
+    info = json.loads((folder / "checkpoint.json").read_text())
+    recorded = info["drafter"]
+    assert recorded["architecture"] == "dflash2" and recorded["dflash2"]["selector_rank"] == 6 and "selector_rank" not in recorded
+    info["drafter"] = {**{k: v for k, v in recorded.items() if k != "dflash2"}, **recorded["dflash2"]}  # the old flat layout
+    (folder / "checkpoint.json").write_text(json.dumps(info))
+    loaded, _ = load_checkpoint(folder)
     assert loaded.config == drafter.config
     for (name, ours), (other, theirs) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert name == other and torch.equal(ours, theirs)

@@ -8,7 +8,8 @@ from support.blocks import block_ids
 from support.drafters import randomize
 
 from dflash_pipeline.data.masks import dflash_mask
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.drafters.dflash2 import (
     CandidateSelector,
     block_causal_conv,

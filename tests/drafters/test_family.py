@@ -15,11 +15,8 @@ from support.helpers import REPO_ROOT
 
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.architecture import Architecture, correct_argmax
-from dflash_pipeline.drafters.core import (
-    ArchitectureModule,
-    DFlashDrafter,
-    DrafterConfig,
-)
+from dflash_pipeline.drafters.core import ArchitectureModule, DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig, DrafterOptions
 from dflash_pipeline.target.load import TargetHead
 
 # ----------------------------------------------------------------------------- a third architecture, for tests only
@@ -59,7 +56,7 @@ class GatePrior(ArchitectureModule):
 
 
 @dataclass(frozen=True)
-class GatedOptions:
+class GatedOptions(DrafterOptions):
     gate_init: float = 0.9
 
 

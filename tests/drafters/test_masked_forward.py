@@ -6,7 +6,8 @@ from oracles.drafting import DraftCache, draft_block
 from support.blocks import VOCAB, block_ids, packed_blocks, reference_block
 
 from dflash_pipeline.data.masks import dflash_mask
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.train.loss import decay_weights, default_gamma
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_pipeline.drafters.core import DrafterConfig
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.drafters.serving import (
     drafter_config_from_serving,
     public_weight_names,
@@ -21,7 +21,7 @@ def config(**overrides) -> DrafterConfig:
     values = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                   vocab_size=40, block_size=4, target_layer_ids=(1, 3), num_target_layers=6, mask_token_id=39, rope_theta=1e6)
     values.update(overrides)
-    return DrafterConfig.from_dict(values)  # keys that are not shared fields are the architecture's options
+    return DrafterConfig.from_dict(values)  # the old flat layout: the architecture's own keys beside the shared ones
 
 
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])

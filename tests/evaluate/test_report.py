@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support.helpers import REPO_ROOT
 
-from dflash_pipeline.decoding.engine import DecodeRun
+from dflash_pipeline.decoding.loop import DecodeRun
 from dflash_pipeline.evaluate.report import (
     console_lines,
     summary_table,

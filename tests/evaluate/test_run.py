@@ -12,12 +12,8 @@ from oracles.drafting import DraftCache, Proposal, draft_block, verified_prefix
 from oracles.scoring import score_one_block_at_a_time
 from support.targets import ScriptedTarget, small_vocab_setup
 
-from dflash_pipeline.decoding.engine import (
-    DecodeRun,
-    forward_costs,
-    greedy_decode,
-    speculative_decode,
-)
+from dflash_pipeline.decoding.loop import DecodeRun
+from dflash_pipeline.decoding.engine import forward_costs, greedy_decode, speculative_decode
 from dflash_pipeline.decoding.static_speculation import Speculation
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.drafters.loading import check_drafter_contract
@@ -26,18 +22,10 @@ from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.measure.end_to_end import EndToEndPrompt, summarize_end_to_end
 from dflash_pipeline.measure.record import Mismatch
 from dflash_pipeline.measure.scoring import (
-    BlockScores,
-    _score_logits,
-    acceptance_length,
-    comparison_verdict,
-    ddtree_streak,
-    ddtree_streaks,
-    logits_into,
-    paired_difference,
-    per_slot_acceptance,
-    score_teacher_forced,
-    summarize_blocks,
+    BlockScores, _score_logits, comparison_verdict, ddtree_streak, ddtree_streaks, logits_into, paired_difference,
+    per_slot_acceptance, score_teacher_forced, summarize_blocks,
 )
+from dflash_pipeline.foundation.stats import acceptance_length
 from dflash_pipeline.measure.verify_plan import choose_verify_tokens
 from dflash_pipeline.target.load import TargetHead
 

@@ -16,7 +16,8 @@ from support.helpers import flip_a_byte
 
 from dflash_pipeline.data.masks import dflash_mask
 from dflash_pipeline.drafters import family
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.drafters.serving import (
     PROVENANCE_FILE,
     export_drafter,
@@ -508,6 +509,25 @@ def test_dflash2_export_writes_the_public_contract_and_round_trips(tmp_path):
     assert loaded.config == drafter.config
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_an_export_from_before_the_options_were_nested_loads_and_its_provenance_still_checks_them(tmp_path):
+    drafter = random_drafter(tiny_dflash2_config())
+    out = export_drafter(drafter, tmp_path / "drafter")
+    path = out / PROVENANCE_FILE
+    provenance = json.loads(path.read_text())
+    recorded = provenance["drafter"]
+    assert recorded["dflash2"] == {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 6, "selector_top_k": 5}
+    provenance["drafter"] = {**{k: v for k, v in recorded.items() if k != "dflash2"}, **recorded["dflash2"]}  # the old flat layout
+    path.write_text(json.dumps(provenance))
+    loaded, info = load_dflash_drafter(out)
+    assert loaded.config == drafter.config and info["provenance"]["drafter"]["selector_rank"] == 6
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    provenance["drafter"]["selector_rank"] = 7  # disagrees with config.json
+    path.write_text(json.dumps(provenance))
+    with pytest.raises(PipelineError, match=r"dflash_pipeline.json: drafter.dflash2.selector_rank is 7, but config.json gives 6"):
+        load_dflash_drafter(out)
 
 
 def test_a_dflash2_draft_vocabulary_travels_beside_the_full_vocabulary_codebooks(tmp_path):

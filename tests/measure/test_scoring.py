@@ -6,12 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from dflash_pipeline.measure.scoring import (
-    BlockScores,
-    acceptance_length,
-    ddtree_streak,
-    summarize_blocks,
-)
+from dflash_pipeline.measure.scoring import BlockScores, ddtree_streak, summarize_blocks
+from dflash_pipeline.foundation.stats import acceptance_length
 
 
 def test_tau_counts_leading_correct_slots_and_a_missing_slot_ends_the_run():

@@ -3,7 +3,7 @@
 import torch
 
 from dflash_pipeline.data.masks import dflash_mask
-from dflash_pipeline.drafters.core import DrafterConfig
+from dflash_pipeline.drafters.config import DrafterConfig
 
 VOCAB = 97
 

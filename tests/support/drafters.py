@@ -2,7 +2,8 @@
 
 import torch
 
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 
 
 def randomize(drafter: DFlashDrafter, seed: int = 0) -> DFlashDrafter:

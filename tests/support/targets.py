@@ -5,7 +5,8 @@ import json
 import torch
 
 from dflash_pipeline.data.shards import Sample
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.target.load import TargetHead
 
 # tokenizer_class values that transformers 4.57's AutoTokenizer resolves to a fast tokenizer built

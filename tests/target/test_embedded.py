@@ -188,7 +188,8 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
 
     from dflash_pipeline.decoding.loop import static_plain_decode
     from dflash_pipeline.decoding.static_speculation import Speculation
-    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.drafters.config import DrafterConfig
     from dflash_pipeline.target.load import LayerTap, TargetHead, load_target
 
     out_dir, _ = embedded_target

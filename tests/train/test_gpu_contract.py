@@ -18,7 +18,9 @@ from support.stage_commands import TINY_TRAIN, train_tiny_run
 from torch.nn.attention.flex_attention import create_mask
 
 from dflash_pipeline.data.blocks import build_batch
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, to_block_mask
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.attention import to_block_mask
+from dflash_pipeline.drafters.config import DrafterConfig
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "train_curves_before_27.json"
 GOLDEN_CONFIGS = {

@@ -6,7 +6,8 @@ import torch
 
 from dflash_pipeline.data.blocks import build_batch, valid_anchors
 from dflash_pipeline.data.shards import Sample
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.load import TargetHead
 from dflash_pipeline.train.loss import (
@@ -259,7 +260,8 @@ def test_selector_loss_is_k_way_cross_entropy_with_the_answer_put_in_when_missin
 
 
 def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
-    from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.drafters.config import DrafterConfig
     from dflash_pipeline.drafters.dflash2 import DFlash2LossOptions
     from dflash_pipeline.target.load import TargetHead
     from dflash_pipeline.train.loss import block_loss

@@ -49,7 +49,7 @@ def weights_line(files: list[Path]) -> str:
 
 def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
     from dflash_pipeline.drafters.checkpoints import weights_problem
-    from dflash_pipeline.drafters.core import DrafterConfig
+    from dflash_pipeline.drafters.config import DrafterConfig
     from dflash_pipeline.foundation.files import read_json
 
     info = read_json(folder / "checkpoint.json", missing="unreadable")

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dflash_pipeline.decoding.engine import DecodeRun, greedy_decode, speculative_decode
+from dflash_pipeline.decoding.loop import DecodeRun
+from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
 from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.decoding.static_speculation import Speculation
 from dflash_pipeline.foundation.devices import bf16_by_default

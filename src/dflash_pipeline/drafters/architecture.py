@@ -26,14 +26,15 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.drafters import family
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, draft_logits
+from dflash_pipeline.drafters.config import DrafterConfig, DrafterOptions
+from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
 from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
 
 
 @dataclasses.dataclass(frozen=True)
-class NoOptions:
+class NoOptions(DrafterOptions):
     """An architecture without options of its own."""
 
 
@@ -41,15 +42,29 @@ class Architecture:
     name: str = ""
     title: str = ""  # how people write its name, e.g. "DFlash2" (`dflash-pipeline show`: "DFlash2 drafter")
     public_class: str = ""  # the serving format's `architectures` entry, e.g. "DFlashDraftModel"
-    options_type: type = NoOptions  # frozen dataclass: sizes that are part of the drafter (DrafterConfig.options)
+    options_type: type[DrafterOptions] = NoOptions  # sizes that are part of the drafter (DrafterConfig.options)
     loss_options_type: type = NoOptions  # frozen dataclass: training-only weights (never in the drafter)
+
+    def __init_subclass__(cls, **kwargs):
+        """A member's options are a frozen `DrafterOptions` dataclass, stored under its name beside
+        the shared fields (`DrafterConfig.to_dict`): a name that is a shared field would clash."""
+        super().__init_subclass__(**kwargs)
+        options_type = cls.options_type
+        if not (isinstance(options_type, type) and issubclass(options_type, DrafterOptions)
+                and dataclasses.is_dataclass(options_type) and options_type.__dataclass_params__.frozen):
+            raise TypeError(f"{cls.__name__}.options_type must be a frozen dataclass subclassing DrafterOptions, got {options_type!r}")
+        if cls.name in DrafterConfig.shared_fields() | {"architecture", "options"}:
+            raise TypeError(f"{cls.__name__}.name {cls.name!r} is a DrafterConfig field; a member's options are stored under its name")
 
     # ------------------------------------------------------------------ options
 
     def options_from(self, value):
-        """`value` (None, a mapping, or already `options_type`) as `options_type`, defaults filled in."""
+        """`value` (None, a mapping, or already `options_type`) as `options_type`, defaults filled in;
+        another member's options are a ValueError."""
         if isinstance(value, self.options_type):
             return value
+        if isinstance(value, DrafterOptions):
+            raise ValueError(f"{self.name} takes {self.options_type.__name__}, got {type(value).__name__}")
         value = dict(value or {})
         known = {f.name for f in dataclasses.fields(self.options_type)}
         unknown = sorted(set(value) - known)

@@ -7,10 +7,11 @@ token absent from the data; the weights are random or the target's top layers (`
 
 from dataclasses import dataclass
 
-from dflash_pipeline.foundation.config import TrainConfig, as_dict
 from dflash_pipeline.drafters import family
+from dflash_pipeline.drafters.config import DrafterConfig, DrafterOptions, DrafterSizeError
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.foundation.config import TrainConfig, as_dict
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig, DrafterSizeError
 from dflash_pipeline.target.folder import read_tensors
 from dflash_pipeline.target.load import TargetInfo
 
@@ -24,7 +25,7 @@ class ArchitectureChoice:
     """The run's architecture and its resolved options (`train.architecture`, `train.options.<name>`)."""
 
     member: object  # drafters.architecture.Architecture
-    options: object  # member.options_type: part of the drafter's config
+    options: DrafterOptions  # member.options_type: part of the drafter's config
     loss_options: object  # member.loss_options_type: training only
 
     def record(self, config: TrainConfig) -> dict:

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from dflash_pipeline.drafters.config import DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import digest_problem, sha256_file, write_json_atomic
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
 
 CHECKPOINT_FORMAT_VERSION = 1
 INFO_FILE = "checkpoint.json"

@@ -37,12 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_pipeline.speculation.sampling import draw_with_uniforms
 from dflash_pipeline.drafters import family
 from dflash_pipeline.drafters.architecture import Architecture, correct_argmax
-from dflash_pipeline.drafters.core import ArchitectureModule, DrafterConfig, draft_logits
+from dflash_pipeline.drafters.config import DrafterConfig, DrafterOptions
+from dflash_pipeline.drafters.core import ArchitectureModule, draft_logits
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.stats import acceptance_length, mean_ci95_over_prompts, paired_difference
+from dflash_pipeline.speculation.sampling import draw_with_uniforms
 
 
 def block_causal_conv(x: torch.Tensor, base: torch.Tensor, dynamic: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -203,7 +204,7 @@ def selector_loss(selector: CandidateSelector, hidden: torch.Tensor, head_rows: 
 
 
 @dataclass(frozen=True)
-class DFlash2Options:
+class DFlash2Options(DrafterOptions):
     conv_kernel_size: int = 2  # taps of the block-local convolution (2, as released: a slot and its predecessor)
     conv_group_size: int = 16  # channels sharing one dynamic kernel; must divide hidden_size
     selector_rank: int = 64  # codebook width (released: 256, for a 27B target; 2 x vocab x rank weights)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_pipeline.drafters.checkpoints import load_checkpoint
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.drafters.serving import load_dflash_drafter
 from dflash_pipeline.foundation.errors import PipelineError
 

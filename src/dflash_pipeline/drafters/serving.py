@@ -42,7 +42,8 @@ import torch
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import digest_problem, read_json, sha256_file, write_json_atomic
 from dflash_pipeline.drafters import family
-from dflash_pipeline.drafters.core import DFlashDrafter, DrafterConfig
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.config import DrafterConfig, nested_record
 from dflash_pipeline.target.folder import weight_files
 from dflash_pipeline.target.load import build_target_layer_ids
 
@@ -358,12 +359,19 @@ def _provenance(directory: Path, config: DrafterConfig) -> tuple[dict | None, Dr
     if not path.is_file():
         return None, config
     provenance = read_json(path, missing="unreadable")
-    recorded = dict(provenance.get("drafter") or {})
+    recorded = nested_record(provenance.get("drafter") or {})  # an export's from before the options were nested too
     extra = recorded.pop("extra", {})
     derived = config.to_dict()
     for key, value in recorded.items():
-        if key in derived and derived[key] != value:
-            raise PipelineError(f"{path}: drafter.{key} is {value!r}, but config.json gives {derived[key]!r}")
+        if key not in derived:
+            continue
+        if isinstance(value, dict) and isinstance(derived[key], dict):  # the member's options, key by key
+            pairs = [(f"{key}.{option}", v, derived[key][option]) for option, v in value.items() if option in derived[key]]
+        else:
+            pairs = [(key, value, derived[key])]
+        for name, ours, theirs in pairs:
+            if ours != theirs:
+                raise PipelineError(f"{path}: drafter.{name} is {ours!r}, but config.json gives {theirs!r}")
     return provenance, replace(config, extra=extra)
 
 

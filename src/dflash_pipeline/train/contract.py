@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from dflash_pipeline.data.shards import ShardDataset, open_split
-from dflash_pipeline.drafters.core import DrafterConfig
+from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import sha256_file
 from dflash_pipeline.target.load import TargetInfo

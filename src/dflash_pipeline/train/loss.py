@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from dflash_pipeline.data.blocks import Batch
-from dflash_pipeline.drafters.core import DFlashDrafter, TokenColumns
 from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.drafters.core import DFlashDrafter
+from dflash_pipeline.drafters.token_columns import TokenColumns
 from dflash_pipeline.target.load import TargetHead
 
 
@@ -147,7 +148,7 @@ class TrainingTargets:
     soft_ids: torch.Tensor | None = None
     soft_logprobs: torch.Tensor | None = None
     # [blocks, B-1] each slot's row in a top-K table held on the device (the train split's, beside
-    # its features: `train.features.ResidentFeatures`), while soft_ids / soft_logprobs are still None;
+    # its features: `train.run.ResidentFeatures`), while soft_ids / soft_logprobs are still None;
     # `with_soft` gathers them there instead of copying them from the host every step.
     soft_rows: torch.Tensor | None = None
 
