@@ -10,7 +10,8 @@ import torch
 from oracles.shard_writer import ElementwiseShardWriter
 from support.device_reads import DeviceReads
 
-from dflash_pipeline.capture.run import Sequence, capture_batch, forward_batch
+from dflash_pipeline.capture.forward import capture_batch, forward_batch
+from dflash_pipeline.capture.plan import Sequence
 from dflash_pipeline.data.shards import ShardWriter, recorded_sha256
 
 

@@ -207,7 +207,7 @@ def compare_runs(run_a, run_b):
     Example:
       dflash-pipeline compare-runs data/eval ../other-clone/data/eval
     """
-    from dflash_pipeline.evaluate.run import compare_eval_runs
+    from dflash_pipeline.evaluate.compare import compare_eval_runs
 
     result = compare_eval_runs(run_a, run_b)
     blocks = "the same val blocks" if result.same_blocks else "different val blocks (the runs' answers differ)"
@@ -293,7 +293,8 @@ def verify(root, target_json, generated_dir, hidden_dir, checkpoints_dir, eval_d
       dflash-pipeline verify
       dflash-pipeline verify --repair && dvc repro
     """
-    from dflash_pipeline.integrity.checks import RunPaths, check_run, repair as repair_run
+    from dflash_pipeline.integrity.checks import RunPaths, check_run
+    from dflash_pipeline.integrity.repair import repair as repair_run
 
     paths = RunPaths.at(root, target=target_json, generated=generated_dir, hidden=hidden_dir, checkpoints=checkpoints_dir, eval=eval_dir,
                         export=export_dir)
@@ -374,7 +375,8 @@ def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
 
 
 def drafter_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving, provenance_problems
+    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, provenance_problems
+    from dflash_pipeline.drafters.serving_config import drafter_config_from_serving
     from dflash_pipeline.foundation.files import read_json
 
     config_path = folder / "config.json"
