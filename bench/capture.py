@@ -41,7 +41,7 @@ def _plain_forward(model, batches, pad_id):
 
 
 def _capture(model, tap, batches, pad_id, folder: Path, width: int):
-    from dflash_pipeline.capture.run import forward_batch
+    from dflash_pipeline.capture.forward import forward_batch
     from dflash_pipeline.data.shards import ShardWriter
 
     writer = ShardWriter(folder / "shard-00000.arrow", feature_dtype="bf16", feature_width=width)
@@ -127,7 +127,7 @@ def _first_sample_seconds(read_first) -> float:
 def main(target_json, generated, count, rounds, scratch):
     import torch
 
-    from dflash_pipeline.capture.run import load_sequences, plan_shards
+    from dflash_pipeline.capture.plan import load_sequences, plan_shards
     from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.target.load import LayerTap, build_target_layer_ids
     from dflash_pipeline.foundation.files import sha256_file

@@ -13,7 +13,7 @@ same batches, each term apart, so a miss says which part is short:
   writer       the stage's own writer (`capture.write_planned_shards`) on batches captured before:
                encode, sha256, write and one fsync per shard, with N writer threads, in GB/s;
   disk         a plain sequential write of `disk_mb` MiB with fsync in the same folder, in GB/s;
-  stage        `capture._write_shards` end to end (GPU path and writer overlapped), tokens/s.
+  stage        `capture.write_shards` end to end (GPU path and writer overlapped), tokens/s.
 
 bench/gpu.py calls `capture_figures(model, plan, sequences, layer_ids, pad_id=..., feature_dtype=...,
 folder=...)` with the model it loaded and a `capture.SplitPlan`; tests/capture/test_writers.py runs
@@ -62,7 +62,7 @@ def forward_seconds(model, batches, *, pad_id: int, top_k: int, logits_chunk: in
     the stage never does and which slows the baseline, flattering the ratio."""
     import torch
 
-    from dflash_pipeline.capture.run import _head_outputs
+    from dflash_pipeline.capture.forward import _head_outputs
     from dflash_pipeline.foundation.devices import timed
 
     device = _device(model)
@@ -79,7 +79,7 @@ def forward_seconds(model, batches, *, pad_id: int, top_k: int, logits_chunk: in
 def gpu_path(model, tap, batches, *, pad_id: int, top_k: int, feature_dtype: str) -> tuple[list, float]:
     """(captured batches, seconds) of `capture_batch` + `wait` over `batches`, no writer: the
     stage's forward -> host copy path alone. The batches stay in host memory for `writer_seconds`."""
-    from dflash_pipeline.capture.run import capture_batch
+    from dflash_pipeline.capture.forward import capture_batch
     from dflash_pipeline.foundation.devices import timed
 
     def run():
@@ -94,7 +94,7 @@ def writer_seconds(plan, sequences, numbers: list[int], captured_by_batch: dict,
     """(seconds, bytes written) of the stage's writer writing shards `numbers` of `plan` into a
     fresh subfolder of `folder` (removed after) from batches captured before
     (`captured_by_batch`: tuple of sequence ids -> CapturedBatch), with `writer_threads` threads."""
-    from dflash_pipeline.capture.run import write_planned_shards
+    from dflash_pipeline.capture.writers import write_planned_shards
 
     out = Path(tempfile.mkdtemp(prefix="writer-", dir=folder))
     try:
@@ -143,7 +143,7 @@ def capture_figures(model, plan, sequences, layer_ids: list[int], *, pad_id: int
     of each part first. `folder` is where shards and the disk probe are written (the stage's
     output disk); everything written there is removed. `writer_threads` None: the stage's default
     for the model's device. Keys: see the module docstring; all rates are per second, GB = 1e9 B."""
-    from dflash_pipeline.capture.run import _write_shards, default_writer_threads
+    from dflash_pipeline.capture.writers import write_shards, default_writer_threads
     from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.target.load import LayerTap
 
@@ -171,9 +171,9 @@ def capture_figures(model, plan, sequences, layer_ids: list[int], *, pad_id: int
         if stage:
             out = Path(tempfile.mkdtemp(prefix="stage-", dir=folder))
             try:
-                _, stage_s = timed(lambda: _write_shards(numbers, plan, sequences, split="bench", out_dir=out, model=model, tap=tap,
-                                                         feature_dtype=feature_dtype, pad_id=pad_id, show_progress=False,
-                                                         writer_threads=writer_threads), device)
+                _, stage_s = timed(lambda: write_shards(numbers, plan, sequences, split="bench", out_dir=out, model=model, tap=tap,
+                                                        feature_dtype=feature_dtype, pad_id=pad_id, show_progress=False,
+                                                        writer_threads=writer_threads), device)
             finally:
                 shutil.rmtree(out, ignore_errors=True)
     finally:
@@ -218,7 +218,7 @@ def main(dry_run, target_json, generated, device, writer_threads, max_batches, d
 
     import torch
 
-    from dflash_pipeline.capture.run import SplitPlan, load_sequences, resolve_layer_ids
+    from dflash_pipeline.capture.plan import SplitPlan, load_sequences, resolve_layer_ids
     from dflash_pipeline.foundation.config import CaptureConfig, TargetConfig
     from dflash_pipeline.target.load import TargetInfo, load_target, prepare_target
 

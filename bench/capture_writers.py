@@ -9,7 +9,7 @@ bench's `fabricate_generated` (random ids: capture's cost does not depend on wha
 process, so both run on the same model, batches and disk, in alternating rounds (each variant
 first in turn):
 
-1. the stage's write path, `_write_shards` (forward, taps, head, and the writing), before vs after
+1. the stage's write path, `write_shards` (forward, taps, head, and the writing), before vs after
    at the default writer count for the device (inline on a CPU, as before) and with 2 threads;
    the shards of every variant are checked byte-identical;
 2. the writer alone (`write_planned_shards` on batches captured once): 0 (inline), 1 (today's
@@ -36,18 +36,25 @@ sys.path.insert(0, str(REPO_ROOT / "src"))
 sys.path.insert(1, str(REPO_ROOT / "bench"))
 
 
-def baseline_capture_module(ref: str, scratch: Path):
-    """The capture module as it is at git `ref`, imported under another name; the other modules
-    it imports are this checkout's (the writer change touches capture.py alone)."""
-    source = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:src/dflash_pipeline/capture/run.py"], check=True,
-                            capture_output=True, text=True).stdout
+def baseline_write_shards(ref: str, scratch: Path):
+    """The stage's write path (`write_shards`) as it is at git `ref`, from the module that holds it
+    there (capture/writers.py, or capture/run.py before the capture wing was split, where it was
+    `_write_shards`), imported under another name; the other modules it imports are this checkout's
+    (the writer change touched that module alone)."""
+    for module_path, name in (("capture/writers.py", "write_shards"), ("capture/run.py", "_write_shards")):
+        shown = subprocess.run(["git", "-C", str(REPO_ROOT), "show", f"{ref}:src/dflash_pipeline/{module_path}"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0 and f"def {name}(" in shown.stdout:
+            break
+    else:
+        raise click.ClickException(f"{ref}: neither capture/writers.py nor capture/run.py defines the stage's write path")
     path = scratch / "capture_baseline.py"
-    path.write_text(source)
+    path.write_text(shown.stdout)
     spec = importlib.util.spec_from_file_location("capture_baseline", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module
+    return getattr(module, name)
 
 
 def _shard_hashes(folder: Path) -> dict:
@@ -70,7 +77,9 @@ def main(target_json, generated, fabricate, count, rounds, shard_mb, threads, ba
 
     import torch
 
-    from dflash_pipeline.capture import run as capture
+    from dflash_pipeline.capture.forward import capture_batch
+    from dflash_pipeline.capture.plan import SplitPlan, load_sequences, resolve_layer_ids
+    from dflash_pipeline.capture.writers import default_writer_threads, write_planned_shards, write_shards
     from dflash_pipeline.foundation.config import CaptureConfig
     from dflash_pipeline.target.load import LayerTap, TargetInfo, load_target
 
@@ -82,37 +91,37 @@ def main(target_json, generated, fabricate, count, rounds, shard_mb, threads, ba
 
         fabricate_generated(scratch / "generated", prompts=count)
         generated = scratch / "generated" / "train.parquet"
-    before = baseline_capture_module(baseline_ref, scratch)
+    before_write_shards = baseline_write_shards(baseline_ref, scratch)
     info = TargetInfo.from_json(target_json)
     model, tokenizer = load_target(info)
     device = next(model.parameters()).device.type
     config = replace(CaptureConfig(), shard_mb=shard_mb)
-    sequences, _ = capture.load_sequences(generated, max_length=config.max_length, on_too_long="truncate")
+    sequences, _ = load_sequences(generated, max_length=config.max_length, on_too_long="truncate")
     sequences = sequences[:count]
-    layer_ids = capture.resolve_layer_ids(config, info.num_layers)
-    plan = capture.SplitPlan.make(sequences, config=config, target=info, layer_ids=layer_ids,
+    layer_ids = resolve_layer_ids(config, info.num_layers)
+    plan = SplitPlan.make(sequences, config=config, target=info, layer_ids=layer_ids,
                                   compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     numbers = list(range(len(plan.shards)))
     tokens = sum(plan.shard_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    default_threads = capture.default_writer_threads(device)
+    default_threads = default_writer_threads(device)
     print(f"{len(sequences)} sequences, {tokens:,} tokens, {sum(len(s) for s in plan.shards)} batches in {len(plan.shards)} shard(s) "
           f"of <= {shard_mb} MiB; {plan.token_bytes} B/token; device {device}, torch threads {torch.get_num_threads()}, "
           f"cores {len(os.sched_getaffinity(0))}; before = {baseline_ref}'s capture.py")
 
     tap = LayerTap(model, layer_ids)
     stage_variants = {
-        "before (today's _write_shards)": lambda out: before._write_shards(
+        "before (write_shards at the baseline ref)": lambda out: before_write_shards(
             numbers, plan, sequences, split="bench", out_dir=out, model=model, tap=tap, feature_dtype=config.feature_dtype,
             pad_id=pad_id, show_progress=False),
-        f"after, default ({default_threads} writer threads)": lambda out: capture._write_shards(
+        f"after, default ({default_threads} writer threads)": lambda out: write_shards(
             numbers, plan, sequences, split="bench", out_dir=out, model=model, tap=tap, feature_dtype=config.feature_dtype,
             pad_id=pad_id, show_progress=False),
-        f"after, {threads} writer threads": lambda out: capture._write_shards(
+        f"after, {threads} writer threads": lambda out: write_shards(
             numbers, plan, sequences, split="bench", out_dir=out, model=model, tap=tap, feature_dtype=config.feature_dtype,
             pad_id=pad_id, show_progress=False, writer_threads=threads),
     }
-    capture.capture_batch(model, tap, [sequences[i] for i in plan.shards[-1][-1]], pad_id=pad_id, top_k=plan.top_k)  # warm-up
+    capture_batch(model, tap, [sequences[i] for i in plan.shards[-1][-1]], pad_id=pad_id, top_k=plan.top_k)  # warm-up
     stage_seconds = {name: [] for name in stage_variants}
     hashes = {}
     for round_index in range(rounds):
@@ -134,7 +143,7 @@ def main(target_json, generated, fabricate, count, rounds, shard_mb, threads, ba
     for shard in plan.shards:
         for indices in shard:
             batch = [sequences[i] for i in indices]
-            by_batch[tuple(s.id for s in batch)] = capture.capture_batch(model, tap, batch, pad_id=pad_id, top_k=plan.top_k,
+            by_batch[tuple(s.id for s in batch)] = capture_batch(model, tap, batch, pad_id=pad_id, top_k=plan.top_k,
                                                                         feature_dtype=config.feature_dtype).wait()
     tap.remove()
     writer_counts = sorted({0, 1, threads})
@@ -145,7 +154,7 @@ def main(target_json, generated, fabricate, count, rounds, shard_mb, threads, ba
             out = scratch / "writer"
             out.mkdir()
             started = time.perf_counter()
-            capture.write_planned_shards(numbers, plan, sequences, out_dir=out, feature_dtype=config.feature_dtype, writer_threads=n,
+            write_planned_shards(numbers, plan, sequences, out_dir=out, feature_dtype=config.feature_dtype, writer_threads=n,
                                          produce=lambda batch: by_batch[tuple(s.id for s in batch)])
             writer_seconds[n].append(time.perf_counter() - started)
             written = sum(p.stat().st_size for p in out.glob("shard-*.arrow"))

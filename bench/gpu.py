@@ -103,7 +103,7 @@ def capture_vs_forward(work: Path, target, capture_config, *, device: str, max_b
     sys.path.insert(0, str(REPO_ROOT / "bench"))
     from capture_figures import capture_figures
 
-    from dflash_pipeline.capture.run import SplitPlan, load_sequences, resolve_layer_ids
+    from dflash_pipeline.capture.plan import SplitPlan, load_sequences, resolve_layer_ids
     from dflash_pipeline.target.load import load_target
 
     model, tokenizer = load_target(target, device=device)

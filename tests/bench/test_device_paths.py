@@ -123,7 +123,8 @@ def test_bf16_capture_matches_fp32_within_bf16_rounding(tiny_llama_dir):
     against the fp32 capture of the same sequences."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.capture.run import Sequence, forward_batch
+    from dflash_pipeline.capture.forward import forward_batch
+    from dflash_pipeline.capture.plan import Sequence
     from dflash_pipeline.target.load import LayerTap
 
     generator = torch.Generator().manual_seed(0)

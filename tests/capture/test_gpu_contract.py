@@ -10,8 +10,10 @@ import torch
 from oracles.shard_writer import ElementwiseShardWriter
 from support.device_reads import DeviceReads
 
-from dflash_pipeline.capture.run import Sequence, capture_batch, forward_batch
-from dflash_pipeline.data.shards import ShardWriter, recorded_sha256
+from dflash_pipeline.capture.forward import capture_batch, forward_batch
+from dflash_pipeline.capture.plan import Sequence
+from dflash_pipeline.data.shards import ShardWriter
+from dflash_pipeline.foundation.files import recorded_sha256
 
 
 def _sequences(rng, count, width, top_k):

@@ -10,9 +10,13 @@ import threading
 import pytest
 from support.helpers import REPO_ROOT, write_generated
 
-from dflash_pipeline.capture import run as capture
+from dflash_pipeline.capture.forward import CapturedBatch
+from dflash_pipeline.capture.plan import Sequence
+from dflash_pipeline.capture.run import run_capture
+from dflash_pipeline.capture.writers import ShardWriters, default_writer_threads
 from dflash_pipeline.data import shards
-from dflash_pipeline.data.shards import ShardWriter, recorded_sha256, verify_split
+from dflash_pipeline.data.shards import ShardWriter, verify_split
+from dflash_pipeline.foundation.files import recorded_sha256
 from dflash_pipeline.foundation.config import CaptureConfig
 from dflash_pipeline.foundation.files import sha256_file
 
@@ -26,7 +30,7 @@ def generated(tmp_path_factory):
 
 
 def _capture(target, generated, out, writer_threads):
-    return capture.run_capture(CONFIG, target=target, generated_dir=generated, out_dir=out, device="cpu", writer_threads=writer_threads)
+    return run_capture(CONFIG, target=target, generated_dir=generated, out_dir=out, device="cpu", writer_threads=writer_threads)
 
 
 def _assert_same_output(a, b):
@@ -147,10 +151,10 @@ def test_a_shard_that_lost_a_batch_is_never_closed_into_place(tmp_path, monkeypa
         return original_write(self, *args, **kwargs)
 
     monkeypatch.setattr(ShardWriter, "write", write)
-    batch = [capture.Sequence("a", [5, 6, 7], [0, 1, 1])]
-    captured = capture.CapturedBatch([3], torch.zeros(1, 3, 4, dtype=torch.bfloat16), torch.zeros(1, 3, dtype=torch.int32),
-                                     torch.zeros(1, 3, 0, dtype=torch.int32), torch.zeros(1, 3, 0))
-    writers = capture.ShardWriters(2)
+    batch = [Sequence("a", [5, 6, 7], [0, 1, 1])]
+    captured = CapturedBatch([3], torch.zeros(1, 3, 4, dtype=torch.bfloat16), torch.zeros(1, 3, dtype=torch.int32),
+                             torch.zeros(1, 3, 0, dtype=torch.int32), torch.zeros(1, 3, 0))
+    writers = ShardWriters(2)
     writer = writers.open(tmp_path / "shard-00000.arrow", feature_dtype="bf16", feature_width=4, top_k=0)
     with pytest.raises(OSError, match="the first batch is lost"):
         try:
@@ -168,14 +172,14 @@ def test_a_shard_that_lost_a_batch_is_never_closed_into_place(tmp_path, monkeypa
 
 
 def test_the_default_writer_count_is_inline_on_a_cpu_and_threads_on_a_gpu():
-    assert capture.default_writer_threads("cpu") == 0
-    assert 1 <= capture.default_writer_threads("cuda") <= 4
+    assert default_writer_threads("cpu") == 0
+    assert 1 <= default_writer_threads("cuda") <= 4
 
 
 def test_capture_figures_run_on_the_cpu_and_give_every_figure(tiny_llama_target, generated, tmp_path):
     """bench/capture_figures.py on the tiny target: every key bench/gpu.py reads is there, and
     positive and finite (what the figures are is the bench's to report, not this test's)."""
-    from dflash_pipeline.capture.run import SplitPlan, load_sequences
+    from dflash_pipeline.capture.plan import SplitPlan, load_sequences
     from dflash_pipeline.target.load import load_target
 
     spec = importlib.util.spec_from_file_location("capture_figures", REPO_ROOT / "bench" / "capture_figures.py")

@@ -16,13 +16,9 @@ from support.speculation import host_proposer, install_oracle
 
 import dflash_pipeline.decoding.static_speculation as static
 from dflash_pipeline.decoding.loop import static_plain_decode
-from dflash_pipeline.decoding.static_speculation import Speculation, accept_greedy
+from dflash_pipeline.decoding.static_speculation import Speculation
 from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms
-from dflash_pipeline.speculation.trees import (
-    PADDING,
-    ranked_candidates,
-    ranked_candidates_on_device,
-)
+from dflash_pipeline.speculation.trees import ranked_candidates, ranked_candidates_on_device
 
 MAX_NEW = 48
 
@@ -87,19 +83,6 @@ def test_an_eos_inside_a_block_ends_the_answer_there(tiny_target, oracle):
                                                   on_tokens=streamed.extend)
     assert run.tokens == expected.tokens == streamed and run.tokens[-1] == frequent
     assert sum(run.steps) >= len(run.tokens) - 1
-
-
-def test_accept_greedy_walks_the_tree_and_skips_padding():
-    # tree: node 0 (depth 0) and node 1 (its sibling), node 2 under node 1, node 3 under node 2, node 4 padding
-    tokens = torch.tensor([5, 6, 7, 8, 9])
-    parents = torch.tensor([-1, -1, 1, 2, PADDING])
-    depths = torch.tensor([0, 0, 1, 2, -1])
-    choice = torch.tensor([6, 0, 7, 8, 4, 0])  # after anchor: 6 (node 1), after node 1: 7 (node 2), after node 2: 8 (node 3), after node 3: 4
-    count, path, bonus = accept_greedy(choice, tokens, parents, depths, 3)
-    assert int(count) == 3 and path.tolist() == [1, 2, 3] and bonus.tolist() == [4]
-    choice[0] = 9  # the padding node's token: nothing is accepted
-    count, path, bonus = accept_greedy(choice, tokens, parents, depths, 3)
-    assert int(count) == 0 and bonus.tolist() == [9]
 
 
 def test_device_ranked_candidates_equal_the_host_ones_ties_included():

@@ -17,12 +17,8 @@ from dflash_pipeline.evaluate.report import (
     to_metrics,
     write_outputs,
 )
-from dflash_pipeline.evaluate.run import (
-    EvaluationResult,
-    choose_and_pair,
-    choose_decoding_mode,
-    summarize_decoding,
-)
+from dflash_pipeline.evaluate.run import EvaluationResult, choose_and_pair, summarize_decoding
+from dflash_pipeline.evaluate.best_mode import choose_decoding_mode
 from dflash_pipeline.foundation.files import write_metrics
 from dflash_pipeline.measure.end_to_end import EndToEndPrompt, summarize_end_to_end
 from dflash_pipeline.measure.record import (

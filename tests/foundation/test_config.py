@@ -180,7 +180,7 @@ def test_an_option_the_targets_sizes_refuse_is_one_line_naming_the_file_and_key(
 
 
 def test_a_layer_choice_the_target_refuses_names_the_params_file(tmp_path):
-    from dflash_pipeline.capture.run import resolve_layer_ids
+    from dflash_pipeline.capture.plan import resolve_layer_ids
 
     path = _write_other(tmp_path, lambda raw: raw["capture"].update(layer_ids=[1, 9]))
     with pytest.raises(PipelineError) as error:

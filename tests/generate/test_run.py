@@ -239,8 +239,9 @@ def test_a_damaged_chunk_is_answered_again_and_damaged_splits_are_refused(tiny_t
     # answered"), changed a prompt token in train.parquet, and then looked valid to every check.
     from support.helpers import flip_a_byte
 
-    from dflash_pipeline.capture.run import load_sequences
-    from dflash_pipeline.integrity.checks import RunPaths, check_run, repair
+    from dflash_pipeline.capture.plan import load_sequences
+    from dflash_pipeline.integrity.checks import RunPaths, check_run
+    from dflash_pipeline.integrity.repair import repair
 
     info, _, _, _ = tiny_target
     prompt_set = read_prompts(sample_prompts, val_fraction=0.25)

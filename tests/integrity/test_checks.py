@@ -1,4 +1,4 @@
-"""integrity.py under real DVC: bit rot in hard-linked outputs (a shard, a checkpoint's weights, an answer chunk),
+"""integrity/ (checks.py, repair.py) under real DVC: bit rot in hard-linked outputs (a shard, a checkpoint's weights, an answer chunk),
 which DVC alone restores from its run cache and relinks onto rebuilt files, is repaired by `make
 repro`'s own commands; and a killed capture's staging folder, which DVC's run cache leaves behind
 when it serves the rerun, is gone after them. (The checks and the repair themselves, without DVC:
@@ -11,12 +11,8 @@ from support.helpers import REPO_ROOT, flip_a_byte, run, set_params, start_then_
 
 from dflash_pipeline.data.shards import verify_split
 from dflash_pipeline.drafters.checkpoints import load_checkpoint
-from dflash_pipeline.integrity.checks import (
-    RunPaths,
-    check_cache,
-    check_run,
-    dvc_cache_dir,
-)
+from dflash_pipeline.integrity.checks import RunPaths, check_cache, check_run
+from dflash_pipeline.integrity.dvc_repository import dvc_cache_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.dvc]  # test lanes (pyproject.toml)
 

@@ -8,12 +8,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from dflash_pipeline.data.shards import (
-    ShardInfo,
-    encode_features,
-    sha256_record_path,
-    shard_schema,
-)
+from dflash_pipeline.data.shards import ShardInfo, encode_features, shard_schema
+from dflash_pipeline.foundation.files import sha256_record_path
 from dflash_pipeline.foundation.files import sha256_file, write_text_atomic
 
 

@@ -110,7 +110,8 @@ def test_two_nodes_of_two_processes_train_the_same_curve_and_weights_as_one_proc
 
 def test_capture_refuses_a_manifest_when_another_nodes_shards_are_not_in_its_folder(tiny_run, tmp_path):
     """Rank 0 of two, with rank 1 writing to a disk rank 0 cannot see (simulated: rank 1 never runs here)."""
-    from dflash_pipeline.capture.run import capture_split, load_sequences
+    from dflash_pipeline.capture.run import capture_split
+    from dflash_pipeline.capture.plan import load_sequences
     from dflash_pipeline.foundation.config import CaptureConfig
     from dflash_pipeline.foundation.errors import PipelineError
     from dflash_pipeline.target.load import LayerTap, load_target

@@ -5,13 +5,13 @@ scripted drafter gives fixed q rows (as DFlash drafts every slot in parallel). T
 two-token continuations decoded speculatively must follow p(x1) p(x2 | x1) by a chi-square test,
 and the same test must reject two planted bugs: accepting the draft without the ratio, and
 resampling a rejection from p instead of the residual max(0, p - q). The static speculative
-step's rules (`static_speculation.accept_sampled`, draws from given uniforms) pass the same test.
+step's rules (`acceptance.accept_sampled`, draws from given uniforms) pass the same test.
 """
 
 import pytest
 import torch
 
-from dflash_pipeline.decoding.static_speculation import accept_sampled
+from dflash_pipeline.decoding.acceptance import accept_sampled
 from dflash_pipeline.speculation.sampling import (
     draw,
     draw_with_uniforms,

@@ -20,7 +20,7 @@ def compare_runs(run_a, run_b):
     Example:
       dflash-pipeline compare-runs data/eval ../other-clone/data/eval
     """
-    from dflash_pipeline.evaluate.run import compare_eval_runs
+    from dflash_pipeline.evaluate.compare import compare_eval_runs
 
     result = compare_eval_runs(run_a, run_b)
     blocks = "the same val blocks" if result.same_blocks else "different val blocks (the runs' answers differ)"

@@ -71,7 +71,8 @@ def checkpoint_contract(folder: Path) -> list[tuple[str, object]]:
 
 
 def drafter_contract(folder: Path) -> list[tuple[str, object]]:
-    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, drafter_config_from_serving, provenance_problems
+    from dflash_pipeline.drafters.serving import PROVENANCE_FILE, provenance_problems
+    from dflash_pipeline.drafters.serving_config import drafter_config_from_serving
     from dflash_pipeline.foundation.files import read_json
 
     config_path = folder / "config.json"

@@ -49,7 +49,8 @@ def verify(root, target_json, generated_dir, hidden_dir, checkpoints_dir, eval_d
       dflash-pipeline verify
       dflash-pipeline verify --repair && dvc repro
     """
-    from dflash_pipeline.integrity.checks import RunPaths, check_run, repair as repair_run
+    from dflash_pipeline.integrity.checks import RunPaths, check_run
+    from dflash_pipeline.integrity.repair import repair as repair_run
 
     paths = RunPaths.at(root, target=target_json, generated=generated_dir, hidden=hidden_dir, checkpoints=checkpoints_dir, eval=eval_dir,
                         export=export_dir)

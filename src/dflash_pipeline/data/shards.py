@@ -1,5 +1,9 @@
 """Captured target features on disk: the Arrow shard format, its writer, reader and verifier.
 
+One concern: the shard format (its version below). The column layout, the feature encoding, the
+writer, the zero-copy reader and the verifier must agree byte for byte and change together, so
+they live in one module.
+
 A split folder (`data/hidden/train/`) holds `shard-NNNNN.arrow` files and a `manifest.json`.
 Each shard is an Arrow IPC *file* (random access through its footer, memory-mappable), and each
 record batch in it is ONE sequence, so reading sample i is a footer lookup plus zero-copy views

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_pipeline.measure.record import BestMode, CandidateRecord, EndToEnd, Evaluation, Interval
-from dflash_pipeline.evaluate.run import describe_best_mode
+from dflash_pipeline.evaluate.best_mode import describe_best_mode
 from dflash_pipeline.foundation.files import atomic_path, pyplot, save_figure, write_csv_atomic, write_json_recorded, write_metrics
 from dflash_pipeline.foundation.stats import console_value, format_interval
 
@@ -48,7 +48,7 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
         best_mode       the fastest lossless greedy mode: its name ("chain", "tree<budget>"), speedup,
                         τ per step, lossless rate; (detail) τ's interval, its verify length or tree
                         budget, every greedy mode's speedup, the modes refused and why
-                        (`run.choose_decoding_mode`), the machine measured on
+                        (`best_mode.choose_decoding_mode`), the machine measured on
         tree.<budget>   the teacher-forced DDTree streak; end to end: τ per step, speedup, lossless
                         rate, mismatches and costs of greedy tree decoding
         chain           greedy chain decoding end to end: τ per step, speedup, lossless rate,

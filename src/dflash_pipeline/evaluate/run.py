@@ -13,9 +13,10 @@ Two measurements (definitions in `scoring` and `engine`, and in the README):
 
 The best checkpoint is the one with the highest teacher-forced τ (not the lowest loss). Of each
 decoded drafter's lossless greedy modes (the chain at its verify length, each tree budget) the
-fastest measured is its best mode (`choose_decoding_mode`): what the headline speedup reports and
-what `dflash-pipeline decode` decodes with. This module picks and checks the candidates and runs
-the two measurements into the typed record (`record.Evaluation`); `evaluate.report` writes the files.
+fastest measured is its best mode (`best_mode.choose_decoding_mode`): what the headline speedup
+reports and what `dflash-pipeline decode` decodes with. This module picks and checks the
+candidates and runs the two measurements into the typed record (`record.Evaluation`);
+`evaluate.report` writes the files, and `evaluate.compare` pairs two runs' outputs.
 """
 
 import time
@@ -35,12 +36,13 @@ from dflash_pipeline.foundation.files import check_recorded_digest
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.speculation.modes import DecodingMode
-from dflash_pipeline.measure.record import BestMode, CandidateRecord, Decoding, EndToEnd, Evaluation, Paired
+from dflash_pipeline.measure.record import CandidateRecord, Decoding, Evaluation, Paired
 from dflash_pipeline.measure.scoring import BlockScores, comparison_verdict, paired_difference, score_teacher_forced, summarize_blocks
 from dflash_pipeline.data.shards import open_split
 from dflash_pipeline.foundation.stats import format_interval
 from dflash_pipeline.target.load import load_target_head
 from dflash_pipeline.drafters.loading import load_checked_checkpoint, load_checked_export
+from dflash_pipeline.evaluate.best_mode import choose_decoding_mode, describe_best_mode
 
 # ----------------------------------------------------------------------------- drafters
 
@@ -188,51 +190,6 @@ def choose_and_pair(records: list[CandidateRecord], blocks: dict[str, BlockScore
     return Evaluation(candidates=paired, chosen=chosen, teacher_forced_seconds=teacher_forced_seconds)
 
 
-def choose_decoding_mode(chain: EndToEnd, trees: dict[int, EndToEnd], *, machine: str = "", engine: str = "") -> BestMode:
-    """The greedy mode with the highest measured speedup: the chain (at its verify length) or a tree
-    of one of `trees`' node budgets.
-
-    Only a lossless mode may win, as evaluate records it (`engine.summarize_end_to_end`): a mode with
-    a mismatch that is not a near-tie (a real difference from plain greedy decoding) is refused, and
-    so is a tree whose lossless rate is below the chain's (near-tie partings are rounding, which
-    every mode meets alike; more of them than the chain has is not evidence of rounding alone). A
-    mode without a measured speedup cannot win either. On a tie the chain wins, then the smaller
-    tree: the same speed for less verify work. When nothing qualifies, `decoding_mode` is None and `refused`
-    says why for each mode.
-    """
-    modes = [(DecodingMode.chain(chain.verify_tokens), chain)] + [(DecodingMode.tree(budget), run) for budget, run in sorted(trees.items())]
-    refused = {}
-    for mode, run in modes:
-        real_mismatches = len(run.mismatches) - run.near_tie_mismatches
-        if run.speedup is None:
-            refused[mode.name] = "no speedup measured"
-        elif run.lossless_rate is None:
-            refused[mode.name] = "not checked against plain greedy decoding"
-        elif real_mismatches:
-            refused[mode.name] = f"{real_mismatches} answer(s) part from plain greedy decoding not at a near-tie"
-        elif chain.lossless_rate is not None and run.lossless_rate < chain.lossless_rate:
-            refused[mode.name] = f"lossless rate {run.lossless_rate} below the chain's {chain.lossless_rate}"
-    speedups = {mode.name: run.speedup for mode, run in modes}
-    eligible = [(mode, run) for mode, run in modes if mode.name not in refused]
-    if not eligible:
-        return BestMode(decoding_mode=None, speedup=None, tau=None, lossless_rate=None, speedups=speedups, refused=refused, machine=machine,
-                        engine=engine)
-    mode, run = max(eligible, key=lambda item: item[1].speedup)  # max keeps the first of equals: the chain, then smaller trees
-    return BestMode(decoding_mode=mode, speedup=run.speedup, tau=run.tau, lossless_rate=run.lossless_rate, speedups=speedups,
-                    refused=refused, machine=machine, engine=engine)
-
-
-def describe_best_mode(best: BestMode | None) -> str:
-    """One line: the best greedy mode, its speedup against the other modes', and what was refused."""
-    if best is None:
-        return "no best mode recorded"
-    others = ", ".join(f"{name} {speedup}" for name, speedup in best.speedups.items() if name != best.mode)
-    refused = "; refused " + ", ".join(f"{name} ({why})" for name, why in best.refused.items()) if best.refused else ""
-    if best.mode is None:
-        return f"no greedy mode qualifies as the best{refused}"
-    return f"best mode {best.mode}, speedup {best.speedup} (vs {others or 'no other mode'}){refused}"
-
-
 def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[float, list[EndToEndPrompt]], *, tree_budgets: list[int],
                        verify_tokens: int, plan: VerifyPlan | None = None, machine: str = "", engine: str = "") -> Decoding:
     """One drafter's end-to-end record from the runs of `decode_end_to_end`: its greedy chain
@@ -347,55 +304,3 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
                     log(f"evaluate: {verdict}: {name}{mode} differs from plain greedy decoding on prompt {mismatch.prompt_id} "
                         f"at answer token {mismatch.position}")
     return result
-
-
-# ----------------------------------------------------------------------------- two runs
-
-
-@dataclass(frozen=True)
-class RunComparison:
-    """The chosen drafters of two evaluate outputs, paired over the prompts both scored."""
-
-    tau_a: float
-    tau_b: float
-    difference: float  # τ of run a minus τ of run b
-    ci95: float
-    prompts: int
-    same_blocks: bool  # both scored the very same blocks (their greedy answers agree)
-    verdict: str
-
-
-def compare_eval_runs(run_a: Path, run_b: Path) -> RunComparison:
-    """The chosen drafters of two `evaluate` outputs (their `data/eval` folders), paired by prompt.
-
-    Two runs of the pipeline (another machine, another CPU) score their own chosen drafter on
-    their own val blocks; the prompts both scored pair up, so the spread between prompts cancels
-    and the interval says whether the runs differ beyond what their prompts explain. Runs whose
-    greedy answers agree score the very same blocks.
-    """
-    import pandas as pd
-
-    from dflash_pipeline.foundation.files import read_json
-    from dflash_pipeline.foundation.stats import mean_ci95_over_prompts
-    from dflash_pipeline.foundation.stats import paired_difference as paired_over_prompts
-
-    sides = []
-    for folder in (Path(run_a), Path(run_b)):
-        if (folder / "best.json").is_file():
-            check_recorded_digest(folder / "best.json")
-        chosen = read_json(folder / "best.json", missing="no best.json (not an evaluate output folder)")["name"]
-        try:
-            blocks = pd.read_parquet(folder / "blocks.parquet")
-        except (OSError, ValueError) as exc:
-            raise PipelineError(f"{folder / 'blocks.parquet'}: cannot be read ({exc})") from None
-        if "prompt_id" not in blocks.columns:
-            raise PipelineError(f"{folder / 'blocks.parquet'}: has no prompt_id column (written before 2026-12-03); rerun evaluate")
-        sides.append((chosen, blocks[blocks["drafter"] == chosen]))
-    (name_a, a), (name_b, b) = sides
-    mean, half, prompts = paired_over_prompts(a["tau"].to_numpy(), a["prompt_id"].to_numpy(), b["tau"].to_numpy(), b["prompt_id"].to_numpy())
-    same_blocks = (len(a) == len(b) and (a["prompt_id"].to_numpy() == b["prompt_id"].to_numpy()).all()
-                   and (a["anchor"].to_numpy() == b["anchor"].to_numpy()).all())
-    label_a, label_b = f"{run_a} ({name_a})", f"{run_b} ({name_b})"
-    tau_a, tau_b = (mean_ci95_over_prompts(side["tau"].to_numpy(), side["prompt_id"].to_numpy())[0] for side in (a, b))
-    return RunComparison(tau_a=tau_a, tau_b=tau_b, difference=mean, ci95=half, prompts=prompts, same_blocks=bool(same_blocks),
-                         verdict=comparison_verdict(label_a, label_b, mean, half, prompts))

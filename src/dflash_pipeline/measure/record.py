@@ -107,7 +107,7 @@ class EndToEnd:
 @dataclass(frozen=True)
 class BestMode:
     """The greedy decoding mode that paid best end to end on the machine evaluate ran on: the chain
-    at its verify length or a DDTree budget, among those that stayed lossless (`evaluate.run.
+    at its verify length or a DDTree budget, among those that stayed lossless (`evaluate.best_mode.
     choose_decoding_mode`). Which one pays depends on the machine (a verify forward of many tokens
     is dear on a CPU), so the record names the machine it was measured on."""
 
