@@ -1,4 +1,5 @@
-"""The engine's speculative step with the host oracles' proposer installed."""
+"""The engine's speculative step against an oracle drafter that knows the answer (`install_oracle`),
+and the host oracles' proposer for the same mode (`host_proposer`)."""
 
 import torch
 from oracles.drafting import drafter_proposer, tree_proposer, verified_prefix

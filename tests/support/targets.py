@@ -1,4 +1,5 @@
-"""Target folders as transformers 4.x and 5.x spell them."""
+"""Targets for tests: folder configs as transformers 4.x and 5.x spell them, and a scripted target with
+a small vocabulary (`small_vocab_setup`, `ScriptedTarget`) scored over an in-memory val split."""
 
 import json
 
