@@ -253,6 +253,19 @@ def test_as_stored_bf16_equals_the_shard_round_trip():
 # ----------------------------------------------------------------------------- bench/gpu.py
 
 
+def test_a_decode_figure_from_a_noisy_pair_of_runs_is_never_zero():
+    # bench/gpu.py times 2n and n steps and takes the difference; on a loaded machine the n-step run
+    # once took as long as the 2n one, the step time came out 0 and a ratio divided by it.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO_ROOT / "bench" / "gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.step_seconds(1.0, 1.5, 10) == (0.05, True)
+    per_step, from_difference = bench.step_seconds(1.0, 0.9, 10)
+    assert (per_step, from_difference) == (0.9 / 20, False) and per_step > 0
+
+
 @pytest.mark.subprocess
 def test_gpu_bench_dry_run(tmp_path):
     """The lent-GPU script end to end at toy sizes on the CPU: every section runs and prints its row."""
