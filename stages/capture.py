@@ -2,7 +2,7 @@
 
     python stages/capture.py --params params.yaml --generated data/generated \
         --target data/target/target.json --out data/hidden --metrics data/metrics/capture.json
-    torchrun --nproc_per_node 8 stages/capture.py ...   # several GPUs: each rank its own shards
+    python stages/launch.py --processes 8 stages/capture.py ...   # torchrun, 8 GPUs: each rank its own shards
 
 OUT/summary.json holds only what the shards hold; this run's timings go to the metrics file, so a
 rerun that changes no shard leaves OUT byte for byte as it was (and train is not rerun).
@@ -31,11 +31,12 @@ def main(params_path: Path, generated_dir: Path, target_json: Path, out_dir: Pat
     from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.foundation.files import write_json_atomic, write_metrics
     from dflash_pipeline.target.load import TargetInfo
+    from dflash_pipeline.target.placement import TargetPlacement
 
-    config = load_params(params_path).capture
+    params = load_params(params_path)
     target = TargetInfo.from_json(target_json)
-    summary = run_capture(config, target=target, generated_dir=generated_dir, out_dir=out_dir, device=device,
-                          source=str(params_path))
+    summary = run_capture(params.capture, target=target, generated_dir=generated_dir, out_dir=out_dir, device=device,
+                          source=str(params_path), placement=TargetPlacement.from_params(params, str(params_path)))
     if summary["splits"]:
         this_run = summary.pop("this_run")
         write_json_atomic(out_dir / "summary.json", summary)

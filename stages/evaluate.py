@@ -32,11 +32,13 @@ def main(params_path, hidden_dir, generated_dir, target_json, checkpoints_dir, o
     from dflash_pipeline.evaluate.report import console_lines, summary_table, write_outputs
     from dflash_pipeline.evaluate.run import run_evaluate
     from dflash_pipeline.target.load import TargetInfo
+    from dflash_pipeline.target.placement import TargetPlacement
 
-    config = load_params(params_path).evaluate
+    params = load_params(params_path)
     target = TargetInfo.from_json(target_json)
-    result = run_evaluate(config, target=target, hidden_val_dir=hidden_dir / "val", generated_val=generated_dir / "val.parquet",
-                          checkpoints_dir=checkpoints_dir, device=device, log=click.echo, source=str(params_path))
+    result = run_evaluate(params.evaluate, target=target, hidden_val_dir=hidden_dir / "val", generated_val=generated_dir / "val.parquet",
+                          checkpoints_dir=checkpoints_dir, device=device, log=click.echo, source=str(params_path),
+                          placement=TargetPlacement.from_params(params, str(params_path)))
     write_outputs(result, out_dir=out_dir, metrics_path=metrics_path, plots_dir=plots_dir)
     click.echo(summary_table(result.record))
     for line in console_lines(result.record):

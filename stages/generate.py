@@ -2,6 +2,7 @@
 
     python stages/generate.py --params params.yaml --prompts data/prompts/default.jsonl \
         --target data/target/target.json --out data/generated --metrics data/metrics/generate.json
+    python stages/launch.py --processes 8 stages/generate.py ...   # torchrun: each rank its own batches
 
 OUT/summary.json holds only what the answers are; this run's timings and counts go to the metrics
 file, so a rerun that adds no answer leaves OUT byte for byte as it was.
@@ -32,14 +33,18 @@ def main(params_path: Path, prompts_path: Path, target_json: Path, out_dir: Path
     from dflash_pipeline.data.prompts import read_prompts
     from dflash_pipeline.foundation.files import write_metrics
     from dflash_pipeline.target.load import TargetInfo
+    from dflash_pipeline.target.placement import TargetPlacement
 
-    config = load_params(params_path).generate
+    params = load_params(params_path)
+    config = params.generate
     target = TargetInfo.from_json(target_json)
     prompt_set = read_prompts(
         prompts_path, val_fraction=config.val_fraction, on_bad_row=config.on_bad_row, limit=config.max_prompts
     )
     summary = run_generate(prompt_set, config=config, target=target, out_dir=out_dir, device=device,
-                           source=str(params_path))
+                           source=str(params_path), placement=TargetPlacement.from_params(params, str(params_path)))
+    if summary is None:  # a torchrun rank other than 0: rank 0 writes the splits and reports
+        return
     write_metrics(metrics_path, summary["this_run"])
     prompts, tokens = summary["prompts"], summary["answer_tokens"]
     click.echo(

@@ -277,3 +277,50 @@ def test_the_engine_attention_serves_a_switched_model_outside_the_engine_as_befo
         assert model.config._attn_implementation == STATIC_SDPA
         after = model(input_ids=ids, attention_mask=valid.long()).logits
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("trim", [True, False], ids=["cpu-trimmed", "gpu-shaped"])
+def test_one_cache_tensor_per_layer_decodes_what_the_stacked_cache_decodes(tiny_target, monkeypatch, trim):
+    """A target split over devices keeps each layer's keys where the layer runs (`PER_LAYER_CACHE`
+    forces that layout on one CPU): batched greedy answers with rows leaving the batch, and tree
+    speculation, come out token for token and step for step the same, and the cache moves a tree's
+    accepted path makes leave the same keys and values."""
+    from dataclasses import replace
+
+    from support.drafters import randomize
+
+    from dflash_pipeline.decoding import static_decoder
+    from dflash_pipeline.decoding.engine import speculative_decode
+    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.drafters.core import DFlashDrafter
+    from dflash_pipeline.generate.run import greedy_generate
+
+    model, _, head, drafter, prompt = tiny_target
+    monkeypatch.setattr(static_decoder, "TRIM_ON_CPU", trim)
+    torch.manual_seed(0)
+    dflash2 = randomize(DFlashDrafter(replace(drafter.config, architecture="dflash2", options=dict(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4))), seed=2)
+    prompts = [prompt, prompt[:5], [1, 77, 78, 79]]
+    runs = []
+    for per_layer in (False, True):
+        monkeypatch.setattr(static_decoder, "PER_LAYER_CACHE", per_layer)
+        answers = greedy_generate(model, prompts, max_new_tokens=16, eos_ids={2}, pad_id=2)
+        tree = speculative_decode(model, Speculation(dflash2, head, tree_budget=6), prompt, max_new_tokens=24, eos_ids={2})
+        runs.append(([a.token_ids for a in answers], tree.tokens, tree.steps))
+    assert runs[0] == runs[1]
+
+    # The moves a tree's accepted path makes, and a smaller batch, on both layouts.
+    decoders = []
+    for per_layer in (False, True):
+        monkeypatch.setattr(static_decoder, "PER_LAYER_CACHE", per_layer)
+        decoder = static_decoder.StaticDecoder(model, batch=2, length=16)
+        ids = torch.tensor([prompt[:6], prompt[2:8]])
+        decoder.prefill(ids, torch.ones_like(ids, dtype=torch.bool))
+        decoder.move_columns(torch.tensor([1, 2]), torch.tensor([4, 5]))
+        decoder.keep_rows(torch.tensor([1]))
+        decoders.append(decoder)
+    stacked, per_layer = decoders
+    assert isinstance(per_layer.keys, list) and len(per_layer.keys) == len(stacked.keys)
+    for layer in range(len(stacked.keys)):
+        assert torch.equal(stacked.keys[layer], per_layer.keys[layer]) and torch.equal(stacked.values[layer], per_layer.values[layer])
+    assert torch.equal(stacked.key_positions, per_layer.key_positions)

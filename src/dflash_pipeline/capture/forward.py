@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from dflash_pipeline.capture.plan import Sequence
 from dflash_pipeline.target.load import LayerTap
+from dflash_pipeline.target.placement import model_device
 
 
 class Captured(NamedTuple):
@@ -85,7 +86,7 @@ def capture_batch(model, tap: LayerTap, batch: list[Sequence], *, pad_id: int, t
     """
     import torch
 
-    device = next(model.parameters()).device
+    device = model_device(model)
     lengths = [len(s.input_ids) for s in batch]
     width = max(lengths)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)

@@ -36,7 +36,6 @@ shards, written on threads), `resume` (what a rerun keeps; the output's one rena
 runs them for both splits, in one process or as one rank of torchrun.
 """
 
-import os
 import shutil
 import time
 from collections import Counter
@@ -59,9 +58,12 @@ from dflash_pipeline.capture.resume import (
 from dflash_pipeline.capture.writers import write_shards
 from dflash_pipeline.data.shards import SHARD_GLOB, Manifest
 from dflash_pipeline.foundation.config import CaptureConfig, as_dict
+from dflash_pipeline.foundation.distributed import barrier as wait_for_every_rank
+from dflash_pipeline.foundation.distributed import init_distributed, leave_process_group
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import format_bytes, reuse_or_reset, staging_dir
 from dflash_pipeline.target.load import LayerTap, TargetInfo
+from dflash_pipeline.target.placement import TargetPlacement
 
 SPLITS = ("train", "val")
 
@@ -150,35 +152,25 @@ def check_split_sizes(sequences: dict[str, list[Sequence]], stats: dict[str, Cou
 
 
 def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Path, out_dir: Path, device: str,
-                source: str = "params.yaml", writer_threads: int | None = None) -> dict:
+                source: str = "params.yaml", writer_threads: int | None = None, placement: TargetPlacement | None = None) -> dict:
     """Capture both splits, single-process or as one rank of torchrun; return a summary (rank 0):
     what the shards hold under "splits", and this run's work and timings under "this_run".
     The work happens in `staging_dir(out_dir)`, renamed to `out_dir` at the end. `source`: the
     params file `config` came from, named in configuration errors. `writer_threads`: shards
-    written at once (None: `default_writer_threads`); the shards' bytes do not depend on it."""
-    import torch
-    import torch.distributed as dist
-
+    written at once (None: `default_writer_threads`); the shards' bytes do not depend on it.
+    `placement`: the target split over devices (`target.placement`; None: whole on `device`)."""
     from dflash_pipeline.target.load import load_target
 
     config.validate_context(target.max_position_embeddings, source)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    barrier = None
-    if world > 1:
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if device.startswith("cuda"):
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend=backend)
-        barrier = dist.barrier
+    device, world, rank = init_distributed(device, devices_per_replica=placement.devices_per_replica if placement else 1)
+    barrier = (lambda: wait_for_every_rank(world)) if world > 1 else None
     try:
         layer_ids = resolve_layer_ids(config, target.num_layers, source=source)
         loaded = {split: load_sequences(generated_dir / f"{split}.parquet", max_length=config.max_length, on_too_long=config.on_too_long)
                   for split in SPLITS}
         check_split_sizes({split: pair[0] for split, pair in loaded.items()}, {split: pair[1] for split, pair in loaded.items()},
                           Path(generated_dir))
-        model, tokenizer = load_target(target, device=device)
+        model, tokenizer = load_target(target, device=device, placement=placement)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         tap = LayerTap(model, layer_ids)
         out_dir = Path(out_dir)
@@ -215,5 +207,4 @@ def run_capture(config: CaptureConfig, *, target: TargetInfo, generated_dir: Pat
         summary["config"] = as_dict(config)
         return summary
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        leave_process_group(world)

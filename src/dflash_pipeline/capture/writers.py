@@ -11,6 +11,7 @@ from pathlib import Path
 from dflash_pipeline.capture.forward import CapturedBatch, capture_batch
 from dflash_pipeline.capture.plan import Sequence, SplitPlan, shard_name
 from dflash_pipeline.data.shards import ShardWriter
+from dflash_pipeline.target.placement import model_device
 
 
 def default_writer_threads(device_type: str) -> int:
@@ -157,7 +158,7 @@ def write_shards(numbers: list[int], plan: "SplitPlan", sequences: list[Sequence
     bar = progress(total=sum(plan.shard_tokens[n] for n in numbers), unit="tok", unit_scale=True, desc=f"capture {split}",
                    disable=not show_progress or not numbers)
     if writer_threads is None:
-        writer_threads = default_writer_threads(next(model.parameters()).device.type)
+        writer_threads = default_writer_threads(model_device(model).type)
     try:
         write_planned_shards(numbers, plan, sequences, out_dir=out_dir, feature_dtype=feature_dtype, writer_threads=writer_threads,
                              on_written=bar.update,

@@ -23,6 +23,7 @@ from dflash_pipeline.decoding.graphs import PhaseRunner
 from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.static_decoder import StaticDecoder, check_servable
 from dflash_pipeline.foundation.devices import default_read_every, synchronize
+from dflash_pipeline.target.placement import is_split, model_device
 
 STATIC_ENGINE = "static-kv"  # static KV, whole steps on the device
 GRAPHED_ENGINE = "static-kv-cuda-graph"  # the same steps, each phase replayed as a CUDA graph
@@ -33,7 +34,7 @@ def engine_name(model) -> str:
     CUDA graphs on a GPU (eager if a capture fails, with a warning). A target it cannot serve is
     refused in one line (`static_decoder.check_servable`)."""
     check_servable(model)
-    return GRAPHED_ENGINE if next(model.parameters()).device.type == "cuda" else STATIC_ENGINE
+    return GRAPHED_ENGINE if model_device(model).type == "cuda" and not is_split(model) else STATIC_ENGINE
 
 
 @dataclass
@@ -79,7 +80,8 @@ class PlainStep:
 
     def __init__(self, model, *, batch: int = 1, capacity: int, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None):
         self.model = model
-        self.device = device = next(model.parameters()).device
+        self.device = device = model_device(model)
+        self.split = is_split(model)  # never captured as CUDA graphs (`target.placement`)
         self.sampling = sampling
         self.capacity = capacity
         self.answer_capacity = self.max_new_tokens = max_new_tokens
@@ -296,7 +298,8 @@ def cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, buil
 
         old = entry[0] if entry is not None else None
         step = build(rounded(max(prompt_length, old.capacity if old else 0)), rounded(max(max_new_tokens, old.answer_capacity if old else 0)))
-        entry = steps[key] = (step, PhaseRunner(step.phases(), state=step.graph_state(), device=step.device))
+        entry = steps[key] = (step, PhaseRunner(step.phases(), state=step.graph_state(), device=step.device,
+                                                        capture=False if step.split else None))
     return entry
 
 

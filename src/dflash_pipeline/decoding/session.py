@@ -29,6 +29,7 @@ from dflash_pipeline.foundation.devices import bf16_by_default
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.load import TargetHead, TargetInfo, load_target, load_target_head
+from dflash_pipeline.target.placement import TargetPlacement
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,18 @@ def _check_taps(drafter: DFlashDrafter, layer_ids: list[int]) -> None:
 
 
 def open_session(target: TargetInfo, drafter: DFlashDrafter, *, device: str, layer_ids: list[int] | None = None,
-                 head: TargetHead | None = None) -> DecodingSession:
+                 head: TargetHead | None = None, placement: TargetPlacement | None = None) -> DecodingSession:
     """Load the target (model, tokenizer, frozen head) on `device` for a drafter of the layers it reads.
 
     `layer_ids`, when given (e.g. the shards' layers), must be the drafter's own; `head`, when the
     caller has already loaded it, is reused instead of being read again. The drafter is put in eval
     mode; its contract with the target is the caller's to check (`evaluate.run.load_candidates`).
+    `placement`: the target split over devices (`target.placement`; None: whole on `device`).
     """
     taps = list(drafter.config.target_layer_ids) if layer_ids is None else list(layer_ids)
     _check_taps(drafter, taps)
     if head is None:
         head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
-    model, tokenizer = load_target(target, device=device)
+    model, tokenizer = load_target(target, device=device, placement=placement)
     return DecodingSession(target=target, model=model, tokenizer=tokenizer, head=head, layer_ids=tuple(taps), drafter=drafter.eval(),
                            device=device)

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from dflash_pipeline.foundation.errors import PipelineError
+from dflash_pipeline.target.placement import execution_device
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention layouts the mask covers
 # Rope types whose frequencies depend on the sequence length seen so far: transformers updates them
@@ -46,6 +47,9 @@ MASK_KINDS = {"sdpa": "bool", STATIC_SDPA: "bool", "eager": "additive"}
 # Whether a step on a CPU attends over the written columns only (`StaticDecoder.trim`). Tests of
 # the GPU's shape contract (no read inside a step, one compiled graph) turn it off on their CPU.
 TRIM_ON_CPU = True
+# Whether every target keeps one cache tensor per layer, as a target split over devices does (a
+# layer's keys live where it runs). Tests turn it on to run that path on a CPU's single device.
+PER_LAYER_CACHE = False
 
 
 def static_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -185,8 +189,9 @@ class ColumnCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         decoder = self.decoder
         keys, values = decoder.keys[layer_idx], decoder.values[layer_idx]
-        keys.index_copy_(2, decoder.columns_now, key_states)
-        values.index_copy_(2, decoder.columns_now, value_states)
+        columns = decoder.columns_now if decoder.layer_devices is None else decoder.columns_on[keys.device]
+        keys.index_copy_(2, columns, key_states)
+        values.index_copy_(2, columns, value_states)
         if decoder.filled is not None:
             return keys[:, :, : decoder.filled], values[:, :, : decoder.filled]
         return keys, values
@@ -208,13 +213,23 @@ class StaticDecoder:
         decoder = model.get_decoder()
         config = model.config
         self.model, self.decoder = model, decoder
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
+        # A target split over devices (`target.placement`) computes each layer on its execution
+        # device: the state lives where the embedding runs, each layer's keys and values where the
+        # layer runs (None: every layer runs where the state lives, one stacked cache).
+        self.device, self.dtype = execution_device(model.get_input_embeddings()), next(model.parameters()).dtype
+        layer_devices = [execution_device(layer) for layer in decoder.layers]
+        uniform = all(d == self.device for d in layer_devices) and not PER_LAYER_CACHE
+        self.layer_devices = None if uniform else layer_devices
         heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         shape = (len(decoder.layers), batch, config.num_key_value_heads, length, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.layer_devices is None:
+            self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:
+            self.keys = [torch.zeros(shape[1:], dtype=self.dtype, device=d) for d in self.layer_devices]
+            self.values = [torch.zeros(shape[1:], dtype=self.dtype, device=d) for d in self.layer_devices]
+        self.columns_on: dict[torch.device, torch.Tensor] = {}  # `columns_now` on each layer device (split targets)
         self.valid = torch.zeros(batch, length, dtype=torch.bool, device=self.device)  # keys that hold a real token
         self.key_positions = torch.zeros(batch, length, dtype=torch.long, device=self.device)  # each key's token position
         self.positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # next position of each row
@@ -281,7 +296,7 @@ class StaticDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's next-token logits of final-norm hidden states (its final soft-cap, if any)."""
-        logits = self.model.lm_head(hidden)
+        logits = self.model.lm_head(hidden).to(self.device)  # the head may run elsewhere on a split target
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits
@@ -291,6 +306,8 @@ class StaticDecoder:
         cache `columns` [T], each query seeing the keys `visible` [B, T, length] marks; the tap
         layers' outputs land in `self.features`."""
         self.columns_now = columns
+        if self.layer_devices is not None:
+            self.columns_on = {device: columns.to(device) for device in set(self.layer_devices)}
         self.key_positions.index_copy_(1, columns, positions)
         if self.trim:
             self.filled = int(columns.max()) + 1
@@ -301,8 +318,8 @@ class StaticDecoder:
         out = self.decoder(input_ids=input_ids, position_ids=positions, attention_mask=self._masks(positions, visible),
                            use_cache=True, output_hidden_states=bool(self.tap_layers), **keywords)
         if self.tap_layers:
-            self.features = torch.cat([out.hidden_states[i + 1] for i in self.tap_layers], dim=-1)
-        return out.last_hidden_state
+            self.features = torch.cat([out.hidden_states[i + 1].to(self.device) for i in self.tap_layers], dim=-1)
+        return out.last_hidden_state.to(self.device)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -319,15 +336,23 @@ class StaticDecoder:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Only these batch rows from now on (a smaller batch: new tensors, so not under a graph)."""
-        self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        if self.layer_devices is None:
+            self.keys, self.values = self.keys[:, rows], self.values[:, rows]
+        else:
+            self.keys = [keys[rows.to(keys.device)] for keys in self.keys]
+            self.values = [values[rows.to(values.device)] for values in self.values]
         self.valid, self.positions, self.key_positions = self.valid[rows], self.positions[rows], self.key_positions[rows]
         self.batch = rows.shape[0]
 
     def move_columns(self, into: torch.Tensor, source: torch.Tensor) -> None:
         """Copy the keys, values and key positions at cache columns `source` to `into` (a tree's
         accepted path moved into place)."""
-        for cache in (self.keys, self.values):
-            cache.index_copy_(3, into, cache.index_select(3, source))
+        if self.layer_devices is None:
+            for cache in (self.keys, self.values):
+                cache.index_copy_(3, into, cache.index_select(3, source))
+        else:
+            for cache in (*self.keys, *self.values):
+                cache.index_copy_(2, into.to(cache.device), cache.index_select(2, source.to(cache.device)))
         self.key_positions.index_copy_(1, into, self.key_positions.index_select(1, source))
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ from dflash_pipeline.speculation.trees import (RankPathKeys, build_draft_tree_te
 from dflash_pipeline.foundation.devices import READ_EVERY, bf16_by_default, synchronize
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
 from dflash_pipeline.decoding.acceptance import accept_greedy, accept_sampled
+from dflash_pipeline.target.placement import is_split, model_device
 
 
 def _autocast(device: torch.device, enabled: bool):
@@ -191,7 +192,8 @@ class SpeculativeStep(_Loop):
         config = drafter.config
         slots = config.block_size - 1
         self.model, self.drafter, self.head = model, drafter, head
-        self.device = next(model.parameters()).device
+        self.device = model_device(model)
+        self.split = is_split(model)  # never captured as CUDA graphs (`target.placement`)
         self.bf16 = bf16_by_default(self.device) if bf16 is None else bf16
         self.tree_budget, self.sampling, self.feature_dtype = tree_budget, sampling, feature_dtype
         if tree_budget is not None:
@@ -366,7 +368,7 @@ def static_forward_costs(model, prompt_ids: list[int], lengths: list[int], *, re
     static verify phase runs it. Nothing is cropped: each repeat rewrites the same columns."""
     import statistics
 
-    device = next(model.parameters()).device
+    device = model_device(model)
     width = len(prompt_ids)
     decoder = StaticDecoder(model, batch=1, length=width + max(lengths) + 1)
     with torch.no_grad():

@@ -57,6 +57,7 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
                         as {prompt_id, position, near_tie}, the verify-length plan
         sampled.<T>     sampled chain decoding at temperature T: τ per step, speedup, acceptance
         extras          (detail) the drafter architecture's own figures
+        decoding_skipped why end-to-end decoding did not run (the target fits neither whole nor split here)
         baselines.<name> teacher-forced τ, τ paired against the chosen, chain τ, speedup, lossless rate,
                         the best mode and its speedup
 
@@ -124,6 +125,8 @@ def to_metrics(evaluation: Evaluation, *, detail: bool = False) -> dict:
     baselines = {baseline.name: headline(sections(baseline), BASELINE_HEADLINE) for baseline in evaluation.baselines}
     if baselines:
         metrics["baselines"] = baselines
+    if evaluation.decoding_skipped is not None:
+        metrics["decoding_skipped"] = evaluation.decoding_skipped
     if detail:
         metrics["teacher_forced_seconds"] = evaluation.teacher_forced_seconds
         metrics["candidates"] = [{"name": c.name, "kind": c.kind, "step": c.step, "path": c.path, "block_size": c.block_size,

@@ -41,6 +41,7 @@ from dflash_pipeline.measure.scoring import BlockScores, comparison_verdict, pai
 from dflash_pipeline.data.shards import open_split
 from dflash_pipeline.foundation.stats import format_interval
 from dflash_pipeline.target.load import load_target_head
+from dflash_pipeline.target.placement import TargetPlacement, whole_target_problem
 from dflash_pipeline.drafters.loading import load_checked_checkpoint, load_checked_export
 from dflash_pipeline.evaluate.best_mode import choose_decoding_mode, describe_best_mode
 
@@ -210,8 +211,8 @@ def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[fl
 
 
 def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, target, layer_ids: list[int], feature_dtype: str,
-                      generated_val: Path, config, device: str, acceptance: dict[str, list[float]] | None = None
-                      ) -> tuple[dict[str, Decoding], list[EndToEndPrompt]]:
+                      generated_val: Path, config, device: str, acceptance: dict[str, list[float]] | None = None,
+                      placement: TargetPlacement | None = None) -> tuple[dict[str, Decoding], list[EndToEndPrompt]]:
     """Speculative decoding with each named drafter against plain decoding, on the real target:
     greedy chains, greedy DDTrees at every `config.tree_budgets` (lossless both), and sampled
     chains at every T > 0 of `config.temperatures` under `config.sampling_rule`.
@@ -221,7 +222,7 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
     machine (`engine.plan_verify_tokens`); else all B-1.
     """
     by_name = {c.name: c for c in candidates}
-    session = open_session(target, by_name[names[0]].drafter, device=device, layer_ids=layer_ids, head=head)
+    session = open_session(target, by_name[names[0]].drafter, device=device, layer_ids=layer_ids, head=head, placement=placement)
     sessions = {name: session.with_drafter(by_name[name].drafter) for name in names}  # one target, each drafter
     model, eos_ids = session.model, session.eos_ids
     prompts = val_prompts(generated_val, config.num_prompts)
@@ -253,8 +254,13 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
 
 def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | None, checkpoints_dir: Path | None = None,
                  checkpoint_folders: list[Path] | None = None, baseline_dirs: list[Path] | None = None, device: str = "cpu",
-                 log=print, source: str = "params.yaml") -> EvaluationResult:
+                 log=print, source: str = "params.yaml", placement: TargetPlacement | None = None) -> EvaluationResult:
     """Score checkpoints and baselines.
+
+    Teacher-forced scoring reads the cached hidden states and, of the target, only its embedding
+    and LM head (`load_target_head`), so it runs on a machine far smaller than the target. End-to-end
+    decoding loads the target: whole on `device` when it fits there, split over devices when
+    `placement` says so, else it is skipped and the record says why (`Evaluation.decoding_skipped`).
 
     Checkpoints: `checkpoint_folders` when given (any folders with checkpoint.json), else those of
     `checkpoints_dir` chosen by `config.checkpoints`. Baselines: `baseline_dirs`, else `config.baselines`.
@@ -288,12 +294,19 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
         log(f"evaluate: {comparison_verdict(baseline.name, evaluation.chosen, paired.mean, paired.ci95, paired.prompts)}")
     result = EvaluationResult(record=evaluation, blocks=blocks, categories=categories, layer_ids=manifest.layer_ids,
                               prompt_ids=[val_set[index].sequence_id for index in range(len(val_set))])
-    if config.num_prompts > 0 and generated_val is not None:
+    skipped = None
+    if config.num_prompts > 0 and generated_val is not None and not (placement is not None and placement.split):
+        skipped = whole_target_problem(target.path, device, head.embed_weight.dtype)
+    if skipped is not None:
+        log(f"evaluate: end-to-end decoding skipped: {skipped}")
+        result.record = replace(evaluation, decoding_skipped=skipped)
+    elif config.num_prompts > 0 and generated_val is not None:
         names = [evaluation.chosen] + [b.name for b in evaluation.baselines if b.name != evaluation.chosen]
         acceptance = {c.name: c.teacher_forced.slot_acceptance_conditional for c in evaluation.candidates}
         decodings, result.e2e_results = decode_end_to_end(names, candidates, head, target=target, layer_ids=manifest.layer_ids,
                                                           feature_dtype=manifest.feature_dtype, generated_val=generated_val,
-                                                          config=config, device=device, acceptance=acceptance)
+                                                          config=config, device=device, acceptance=acceptance,
+                                                          placement=placement)
         result.record = replace(evaluation, candidates=[replace(c, decoding=decodings.get(c.name, c.decoding)) for c in evaluation.candidates])
         for name, decoding in decodings.items():
             log(f"evaluate: {name}: {describe_best_mode(decoding.best)}")

@@ -36,6 +36,27 @@ class TargetConfig:
     # file of a local target reruns the stage): target.model itself when that is a local folder or
     # .gguf file (checked by the stage); for the embedded default or a hub id, a path that always exists.
     watch: str = "stages/target.py"
+    # Where the target's layers go when it is loaded (generate, capture, evaluate's end-to-end
+    # decoding), passed to transformers/accelerate: null keeps the whole target on the stage's
+    # device; "auto" fills the replica's GPUs (launch.devices_per_replica), then the CPU, then disk;
+    # or an explicit map of module name to device (0, "cuda:1", "cpu", "disk").
+    device_map: str | dict | None = None
+    # The most "auto" places on each device, e.g. {0: "70GiB", "cpu": "200GiB"}; null: what each has.
+    max_memory: dict | None = None
+    # The folder for weights placed on "disk" (needed whenever the map puts a layer there).
+    offload_folder: str | None = None
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("device_map", self.device_map in (None, "auto") or (isinstance(self.device_map, dict) and len(self.device_map) > 0),
+             "must be null, 'auto' or a mapping of module name to device"),
+            ("max_memory", self.max_memory is None or len(self.max_memory) > 0, "must be null or a mapping of device to size"),
+            ("max_memory", self.max_memory is None or self.device_map is not None, "applies to target.device_map only; set it too"),
+            ("offload_folder", self.offload_folder is None or self.offload_folder.strip() != "", "must be null or a folder"),
+        ]
+
+    def validate(self, source: str) -> None:
+        _check(self.checks(), self, "target", source)
 
 
 @dataclass(frozen=True)
@@ -275,6 +296,26 @@ class ExportConfig:
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    # torchrun processes per node for the stages that run data-parallel (generate, capture, train),
+    # used by dvc.yaml's commands through `stages/launch.py`: 1 runs the stage as one plain
+    # process; N starts `torchrun --standalone --nproc_per_node N` (one per GPU, or gloo on a CPU).
+    processes: int = 1
+    # GPUs one process's replica of the target spans (with target.device_map): local rank r takes
+    # GPUs r * devices_per_replica ... ; processes x devices_per_replica must fit a node.
+    devices_per_replica: int = 1
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("processes", self.processes >= 1, "must be >= 1"),
+            ("devices_per_replica", self.devices_per_replica >= 1, "must be >= 1"),
+        ]
+
+    def validate(self, source: str) -> None:
+        _check(self.checks(), self, "launch", source)
+
+
+@dataclass(frozen=True)
 class Params:
     target: TargetConfig
     generate: GenerateConfig
@@ -282,10 +323,11 @@ class Params:
     train: TrainConfig
     evaluate: EvaluateConfig
     export: ExportConfig
+    launch: LaunchConfig = LaunchConfig()
 
 
 SECTIONS: dict[str, type] = {"target": TargetConfig, "generate": GenerateConfig, "capture": CaptureConfig, "train": TrainConfig,
-                             "evaluate": EvaluateConfig, "export": ExportConfig}
+                             "evaluate": EvaluateConfig, "export": ExportConfig, "launch": LaunchConfig}
 
 
 def _context(context: int) -> str:

@@ -22,6 +22,10 @@ never re-tokenise. A killed run resumes from its chunks; chunks generated with o
 (another target, template option or length cap) are discarded, never mixed in, and a chunk that
 does not match its sha256 record (a flipped bit, or no record) is answered again, never reused
 because it merely parses.
+
+Under torchrun (`launch.processes`, `stages/launch.py`) every rank makes the same batch plan and
+answers its own batches into the one chunk folder (a folder all nodes share, on several nodes);
+rank 0 assembles the splits, the same bytes as one process writes.
 """
 
 import json
@@ -35,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_pipeline.foundation.config import GenerateConfig, as_dict
+from dflash_pipeline.foundation.distributed import Ranks, barrier, init_distributed, leave_process_group, sum_over_ranks
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import (
     SHA256_SUFFIX,
@@ -47,6 +52,7 @@ from dflash_pipeline.foundation.files import (
 )
 from dflash_pipeline.data.prompts import GENERATED_SCHEMA, Prompt, PromptSet
 from dflash_pipeline.target.load import TargetInfo
+from dflash_pipeline.target.placement import TargetPlacement, model_device
 
 @dataclass(frozen=True)
 class Answer:
@@ -114,11 +120,11 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
     from dflash_pipeline.decoding.loop import PlainStep, run_steps
     from dflash_pipeline.foundation.devices import default_read_every
 
-    device = next(model.parameters()).device
+    device = model_device(model)
     input_ids, valid = left_padded(prompts, pad_id)
     batch, width = input_ids.shape
     step = PlainStep(model, batch=batch, capacity=width, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    runner = PhaseRunner(step.phases(), state=step.graph_state(), device=device)
+    runner = PhaseRunner(step.phases(), state=step.graph_state(), device=device, capture=False if step.split else None)
     step.prefill_rows(input_ids.to(device), valid.to(device))
     reported = [0, 0]  # answer tokens (a row's EOS included) and rows ended, as last reported
 
@@ -162,22 +168,38 @@ def _rows_table(rows: list[dict], settings: dict) -> pa.Table:
 
 
 class AnswerCache:
-    """The resume cache: answers keyed by prompt id, stored as atomically written Parquet chunks."""
+    """The resume cache: answers keyed by prompt id, stored as atomically written Parquet chunks.
 
-    def __init__(self, folder: Path, settings: dict):
+    Under torchrun every rank opens the one folder: rank 0 first (`maintain`: it discards chunks of
+    other settings and damaged ones), the others after a barrier, only reading. Rank r of `world`
+    names its new chunks with numbers r, r + world, ..., so ranks never race for a name."""
+
+    def __init__(self, folder: Path, settings: dict, *, maintain: bool = True, rank: int = 0, world: int = 1):
         self.folder = folder
         self.settings = settings
+        self.rank, self.world = rank, world
         self.rows: dict[str, dict] = {}
-        self.discarded = reuse_or_reset(folder, "settings.json", settings, "chunk-*.parquet")
-        self.dropped = self._drop_unverified_chunks()
-        self.chunks = sorted(folder.glob("chunk-*.parquet"))
-        for chunk in self.chunks:
+        self.chunks: list[Path] = []
+        self.discarded, self.dropped = 0, []
+        if maintain:
+            self.discarded = reuse_or_reset(folder, "settings.json", settings, "chunk-*.parquet")
+            self.dropped = self._drop_unverified_chunks()
+        self.read_chunks()
+
+    def read_chunks(self) -> None:
+        """Read every chunk in the folder not read yet (after a barrier: the other ranks' answers)."""
+        known = set(self.chunks)
+        for chunk in sorted(self.folder.glob("chunk-*.parquet")):
+            if chunk in known:
+                continue
             try:
                 table = pq.read_table(chunk)
             except Exception as exc:  # a chunk is only ever renamed into place whole
                 raise PipelineError(f"{chunk}: unreadable answer chunk ({exc}); delete it to regenerate its answers") from None
             for row in table.to_pylist():
                 self.rows[row["prompt_id"]] = row
+            self.chunks.append(chunk)
+        self.chunks.sort()
 
     def _drop_unverified_chunks(self) -> list[str]:
         """Remove every chunk that does not match the sha256 record its writer made (its answers
@@ -203,7 +225,8 @@ class AnswerCache:
         """Save one batch's rows as the lowest-numbered chunk not there: a chunk answered again
         after damage takes its old name (and, the same prompts answered alike, its old bytes)."""
         taken = {chunk.name for chunk in self.chunks}
-        index = next(number for number in range(len(taken) + 1) if f"chunk-{number:05d}.parquet" not in taken)
+        index = next(number for number in range(self.rank, (len(taken) + 1) * self.world + self.rank + 1, self.world)
+                     if f"chunk-{number:05d}.parquet" not in taken)
         path = self.folder / f"chunk-{index:05d}.parquet"
         _write_parquet_atomic(_rows_table(rows, self.settings), path)
         self.chunks = sorted(self.chunks + [path])
@@ -211,10 +234,10 @@ class AnswerCache:
             self.rows[row["prompt_id"]] = row
 
 
-def _progress_bar(total: int, done: int):
+def _progress_bar(total: int, done: int, *, desc: str = "generate", disable: bool = False):
     from dflash_pipeline.foundation.progress import progress
 
-    return progress(total=total, initial=done, unit="prompt", desc="generate")
+    return progress(total=total, initial=done, unit="prompt", desc=desc, disable=disable)
 
 
 def select_prompts(prompt_set: PromptSet, tokenizer, config: GenerateConfig) -> tuple[list[tuple[Prompt, list[int]]], Counter]:
@@ -252,9 +275,9 @@ def check_split_sizes(prompts: list[Prompt], *, prompt_set: PromptSet, config: G
                 f"or pin a prompt to {split} with a \"split\": \"{split}\" field")
 
 
-def answer_pending(model, pending: list[tuple[Prompt, list[int]]], cache: "AnswerCache", *, config: GenerateConfig, eos_ids: set[int],
-                   pad_id: int, bar) -> int:
-    """Answer `pending` batch by batch, each batch saved to the cache as it finishes; returns the new tokens."""
+def answer_batches(model, batches: list[list[tuple[Prompt, list[int]]]], cache: "AnswerCache", *, config: GenerateConfig,
+                   eos_ids: set[int], pad_id: int, bar) -> int:
+    """Answer `batches` one by one, each saved to the cache as it finishes; returns the new tokens."""
     import torch
 
     new_tokens = 0
@@ -267,8 +290,7 @@ def answer_pending(model, pending: list[tuple[Prompt, list[int]]], cache: "Answe
         bar.update(finished)
 
     torch.manual_seed(0)  # greedy decoding is deterministic; seeded anyway for any sampling op
-    for start in range(0, len(pending), config.batch_size):
-        batch = pending[start : start + config.batch_size]
+    for batch in batches:
         answers = greedy_generate(model, [ids for _, ids in batch], max_new_tokens=config.max_new_tokens, eos_ids=eos_ids,
                                   pad_id=pad_id, on_step=on_step)
         cache.add([{"prompt_id": prompt.id, "category": prompt.category, "split": prompt.split, "messages": prompt.as_messages(),
@@ -298,40 +320,86 @@ def run_generate(
     out_dir: Path,
     device: str = "cpu",
     source: str = "params.yaml",
-) -> dict:
+    placement: TargetPlacement | None = None,
+) -> dict | None:
     """Answer every prompt of `prompt_set` (resuming from `out_dir/chunks`); return the summary:
     summary.json's content plus `this_run` (answers reused and made now, seconds, tokens/s).
     `source`: the params file `config` came from, named in configuration errors (settings the
-    target's context cannot hold stop the run before anything is written)."""
-    from dflash_pipeline.target.load import load_target
+    target's context cannot hold stop the run before anything is written). `placement`: the target
+    split over devices (`target.placement`; None: whole on `device`).
 
+    Under torchrun (`launch.processes`) rank r answers batches r, r + world, ... of the one batch
+    plan every rank makes alike, so each batch holds the prompts it would hold in one process and
+    its answers are the same; rank 0 writes the splits once every rank is done and returns the
+    summary, the other ranks None."""
     config.validate_context(target.max_position_embeddings, source)
     check_split_sizes(prompt_set.prompts, prompt_set=prompt_set, config=config, what="prompt(s)")
-    model, tokenizer = load_target(target, device=device)
+    check_processes(Ranks.from_environment().world, len(prompt_set.prompts), source)  # before any process waits on another
+    device, world, rank = init_distributed(device, devices_per_replica=placement.devices_per_replica if placement else 1)
+    try:
+        return _generate_as_rank(prompt_set, config=config, target=target, out_dir=out_dir, device=device, source=source,
+                                 placement=placement, rank=rank, world=world)
+    finally:
+        leave_process_group(world)
+
+
+def check_processes(world: int, prompts: int, source: str) -> None:
+    """More processes than prompts would leave a rank without a batch: refused in one line."""
+    if world > prompts:
+        raise PipelineError(f"{source}: key 'launch.processes' gives {world} processes (torchrun's world size), more than the "
+                            f"{prompts} prompt(s) to answer; use at most {prompts}")
+
+
+def plan_batches(pending: list[tuple[Prompt, list[int]]], batch_size: int) -> list[list[tuple[Prompt, list[int]]]]:
+    """The batches `pending` is answered in, the same in every process: longest first, so that
+    similar lengths share a batch (little padding) and memory peaks at once."""
+    ordered = sorted(pending, key=lambda item: -len(item[1]))
+    return [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
+
+
+def _generate_as_rank(prompt_set: PromptSet, *, config: GenerateConfig, target: TargetInfo, out_dir: Path, device: str, source: str,
+                      placement: TargetPlacement | None, rank: int, world: int) -> dict | None:
+    import torch
+
+    from dflash_pipeline.target.load import load_target
+
+    model, tokenizer = load_target(target, device=device, placement=placement)
     selected, skipped = select_prompts(prompt_set, tokenizer, config)  # a bad row stops the run before anything is written
+    check_processes(world, len(selected), source)
     compute_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     settings = generation_settings(config, target, compute_dtype, decoding_engine(model))
-    cache = AnswerCache(out_dir / "chunks", settings)
+    cache = AnswerCache(out_dir / "chunks", settings, rank=rank, world=world) if rank == 0 else None
+    barrier(world)  # rank 0 has discarded what it could not reuse; the others only read
+    if cache is None:
+        cache = AnswerCache(out_dir / "chunks", settings, maintain=False, rank=rank, world=world)
     if cache.discarded:
         print(f"generate: settings changed since the cached answers; discarded {cache.discarded} chunk(s)")
     check_split_sizes([prompt for prompt, _ in selected], prompt_set=prompt_set, config=config,
                       what=f"prompt(s) within max_prompt_tokens {config.max_prompt_tokens}")
     pending = [(p, ids) for p, ids in selected if p.id not in cache.rows]
     reused = len(selected) - len(pending)
-    if reused:
+    if reused and rank == 0:
         print(f"generate: resuming, {reused} of {len(selected)} prompts already answered")
-    # Longest first: similar lengths share a batch (little padding) and memory peaks at once.
-    pending.sort(key=lambda item: -len(item[1]))
+    mine = plan_batches(pending, config.batch_size)[rank::world]
     eos_ids = set(target.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-    bar = _progress_bar(len(selected), reused)
+    if world == 1:
+        bar = _progress_bar(len(selected), reused)
+    else:  # rank 0 shows its own share; the others' run alongside
+        bar = _progress_bar(sum(len(batch) for batch in mine), 0, desc=f"generate (rank 0 of {world})", disable=rank != 0)
     started = time.perf_counter()
     try:
-        new_tokens = answer_pending(model, pending, cache, config=config, eos_ids=eos_ids, pad_id=pad_id, bar=bar)
+        new_tokens = answer_batches(model, mine, cache, config=config, eos_ids=eos_ids, pad_id=pad_id, bar=bar)
     finally:
         bar.close()
+    tokens = sum_over_ranks(torch.tensor([new_tokens], dtype=torch.int64, device=device), world)  # NCCL sums device tensors only
     elapsed = time.perf_counter() - started
+    barrier(world)  # every rank's chunks are in place
+    if rank != 0:
+        return None
+    cache.read_chunks()
     splits = write_splits(selected, cache, out_dir=out_dir, settings=settings)
+    new_tokens = int(tokens[0])
     summary = {
         "prompts": {s: len(rows) for s, rows in splits.items()},
         "answer_tokens": {s: sum(len(r["answer_ids"]) for r in rows) for s, rows in splits.items()},
@@ -345,5 +413,6 @@ def run_generate(
     }
     write_json_atomic(out_dir / "summary.json", summary)
     summary["this_run"] = {"reused_answers": reused, "prompts": len(pending), "new_tokens": new_tokens, "seconds": round(elapsed, 2),
-                           "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None}
+                           "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else None,
+                           "processes": world}
     return summary

@@ -20,6 +20,7 @@ from dflash_pipeline.foundation.progress import progress_iter
 from dflash_pipeline.foundation.stats import mean_ci95
 from dflash_pipeline.measure.record import EndToEnd, Interval, Mismatch, TimeSplit
 from dflash_pipeline.speculation.sampling import Sampling
+from dflash_pipeline.target.placement import model_device
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -39,7 +40,7 @@ def is_near_tie(model, prompt_ids: list[int], reference: list[int], other: list[
     """
     if position >= min(len(reference), len(other)):
         return False
-    device = next(model.parameters()).device
+    device = model_device(model)
     logits = model(input_ids=torch.tensor([prompt_ids + reference[:position]], device=device), logits_to_keep=1).logits[0, -1]
     first, second = float(logits[reference[position]]), float(logits[other[position]])
     return abs(first - second) <= 2 * torch.finfo(logits.dtype).eps * max(abs(first), abs(second), 1.0)

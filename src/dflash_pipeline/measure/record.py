@@ -185,6 +185,9 @@ class Evaluation:
     candidates: list[CandidateRecord]
     chosen: str
     teacher_forced_seconds: float
+    # Why end-to-end decoding did not run though prompts were asked for (the whole target does not
+    # fit this machine and no device map splits it); None when it ran or was not asked for.
+    decoding_skipped: str | None = None
 
     def candidate(self, name: str) -> CandidateRecord:
         return next(candidate for candidate in self.candidates if candidate.name == name)

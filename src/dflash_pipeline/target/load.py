@@ -44,6 +44,7 @@ from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import digest_problem, read_json, sha256_file, write_json_atomic
 from dflash_pipeline.target.embedded import GGUF_SUFFIX, convert_embedded, convert_gguf
 from dflash_pipeline.target.folder import check_config_spellings, read_tensors
+from dflash_pipeline.target.placement import TargetPlacement, plan_device_map
 
 TARGET_FORMAT_VERSION = 1
 # Files that define how text becomes token ids and how conversations become text.
@@ -304,8 +305,9 @@ def prepare_target(config: TargetConfig, *, out_dir: Path) -> dict:
     return info
 
 
-def load_target(info: TargetInfo, *, device: str = "cpu"):
-    """Load the target's causal LM and tokenizer for inference: fp32 on CPU, bf16 on GPU."""
+def load_target(info: TargetInfo, *, device: str = "cpu", placement: TargetPlacement | None = None):
+    """Load the target's causal LM and tokenizer for inference: fp32 on CPU, bf16 on GPU; whole on
+    `device`, or split over devices as `placement` says (`target.placement`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -316,9 +318,14 @@ def load_target(info: TargetInfo, *, device: str = "cpu"):
     if not (info.path / "config.json").is_file():
         raise PipelineError(f"{info.path}: target model folder is gone; rerun the `target` stage (dvc repro target)")
     tokenizer = AutoTokenizer.from_pretrained(info.path)
-    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
-    model.to(device).eval()
-    return model, tokenizer
+    if placement is None or not placement.split:
+        model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype)
+        model.to(device).eval()
+        return model, tokenizer
+    device_map = plan_device_map(info.path, placement, device=device, dtype=dtype)
+    offload = {} if placement.offload_folder is None else {"offload_folder": str(placement.offload_folder)}
+    model = AutoModelForCausalLM.from_pretrained(info.path, dtype=dtype, device_map=device_map, **offload)
+    return model.eval(), tokenizer
 
 
 # ----------------------------------------------------------------------------- the frozen head

@@ -1,34 +1,9 @@
-"""Data parallelism over torchrun ranks: joining the process group, summing a tensor over ranks,
-and checking that every rank resumes at the same step. With one process (no torchrun) each is a
-no-op."""
-
-import os
+"""Train's own part of data parallelism: every rank must resume at the same step (joining the
+process group and summing over ranks are `foundation.distributed`'s)."""
 
 import torch
 
 from dflash_pipeline.foundation.errors import PipelineError
-
-
-def sum_over_ranks(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """`tensor` summed in place over the `world` ranks (unchanged in a single process)."""
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def init_distributed(device: str) -> tuple[str, int, int]:
-    """(device, world, rank); joins the torchrun process group when there is one."""
-    import torch.distributed as dist
-
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        if device.startswith("cuda"):
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
-    return device, world, rank
 
 
 def check_every_rank_resumes_at(step: int, *, device: str) -> None:

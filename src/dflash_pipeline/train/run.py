@@ -33,7 +33,7 @@ from dflash_pipeline.foundation.devices import READ_EVERY, bf16_by_default
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.load import TargetInfo, load_target_head
 from dflash_pipeline.train.contract import check_contract, open_shards, shards_record, used_token_ids
-from dflash_pipeline.train.distributed import init_distributed
+from dflash_pipeline.foundation.distributed import init_distributed
 from dflash_pipeline.train.features import ResidentFeatures, channel_rms_scale
 from dflash_pipeline.train.loss import TrainingVocabulary, default_gamma
 from dflash_pipeline.train.prepare import StepPrefetcher, static_shape

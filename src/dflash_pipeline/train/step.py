@@ -10,7 +10,7 @@ import torch
 from dflash_pipeline.data.blocks import Batch
 from dflash_pipeline.foundation.devices import autocast
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.train.distributed import sum_over_ranks
+from dflash_pipeline.foundation.distributed import sum_over_ranks
 from dflash_pipeline.train.loss import TrainingTargets, block_loss
 from dflash_pipeline.train.prepare import PreparedStep, prepare_step
 from dflash_pipeline.train.schedule import learning_rate
