@@ -238,6 +238,46 @@ def decode_figures(work: Path, target, *, device: str, steps: int, batch: int) -
                                                          / figures[f"transformers_batch{batch}"]["tokens_per_s"], 2)}
 
 
+def split_figures(work: Path, target, *, device: str, prompts: int, max_new_tokens: int) -> dict:
+    """The target split over devices (`target.placement`) against the whole target, on the same
+    prompts: whether the greedy answers are equal, and the split's tokens/s as a share of the
+    whole's. On a GPU about half the layers stay in host memory (copied in for each forward, the
+    decode step eager, docs/scale.md); in the dry run the CPU keeps the embedding and a layer (the tiny target is mostly embedding) and the rest
+    is read from disk."""
+    from dflash_pipeline.data.prompts import read_prompts
+    from dflash_pipeline.foundation.devices import timed
+    from dflash_pipeline.generate.run import decoding_engine, render_prompt, static_greedy_generate
+    from dflash_pipeline.target.load import load_target
+    from dflash_pipeline.target.placement import TargetPlacement, weight_bytes
+
+    import torch
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    size = weight_bytes(target.path, dtype)
+    budget = {0: size // 2, "cpu": 4 * size} if device.startswith("cuda") else {"cpu": int(size * 0.98)}
+    placement = TargetPlacement(device_map="auto", max_memory=budget, offload_folder=str(work / "offload"))
+    figures = {}
+    answers = {}
+    for name, chosen in (("whole", None), ("split", placement)):
+        model, tokenizer = load_target(target, device=device, placement=chosen)
+        prompt_set = read_prompts(REPO_ROOT / "data" / "prompts" / "default.jsonl", val_fraction=0.1, limit=prompts)
+        ids = [render_prompt(tokenizer, p, system_prompt=None, enable_thinking=False) for p in prompt_set.prompts][:prompts]
+        static_greedy_generate(model, ids[:1], max_new_tokens=2, eos_ids={-1}, pad_id=0)  # first use
+        made, seconds = timed(lambda model=model, ids=ids: static_greedy_generate(model, ids, max_new_tokens=max_new_tokens, eos_ids={-1},
+                                                                                  pad_id=0), device)
+        answers[name] = [answer.token_ids for answer in made]
+        figures[f"split_{name}_tokens_per_s"] = round(sum(len(a) for a in answers[name]) / seconds, 1)
+        figures[f"split_{name}_engine"] = decoding_engine(model)
+        if chosen is not None:
+            figures["split_devices"] = sorted({str(value) for value in model.hf_device_map.values()})
+        del model
+        release_memory(device)
+    figures["split_answers_equal"] = answers["split"] == answers["whole"]
+    figures["split_vs_whole"] = round(figures["split_split_tokens_per_s"] / figures["split_whole_tokens_per_s"], 3)
+    print(f"  split: {figures}", flush=True)
+    return figures
+
+
 def fabricate_generated(folder: Path, *, prompts: int, seed: int = 0) -> None:
     """A generate-stage output without running generate: prompts of 20-120 tokens, answers of
     40-330 over a 10K-token vocabulary (the default run's ranges). For the training and capture
@@ -426,12 +466,12 @@ ROWS = [  # (label, key, goal): the goals of issues #28 and #37
     ("bench seconds in all", "total_seconds", "<= 300 (--quick <= 180)"),
 ]
 
-SECTIONS = ("decode", "capture", "train", "evaluate", "scoring")
+SECTIONS = ("decode", "capture", "train", "evaluate", "scoring", "split")
 # Seconds each part may take on one H100 (`within`): a part cut by its limit loses its figures,
 # never the run. They add up to under 5 minutes with the defaults and under 3 with --quick, the
 # bench's goals (issue #37); --limit NAME=SECONDS changes one.
-LIMITS = {"data": 80, "decode": 30, "capture": 30, "train": 95, "evaluate": 50, "scoring": 10}
-QUICK_LIMITS = {"data": 45, "decode": 15, "capture": 15, "train": 70, "evaluate": 30, "scoring": 0}
+LIMITS = {"data": 80, "decode": 30, "capture": 30, "train": 95, "evaluate": 50, "scoring": 10, "split": 12}
+QUICK_LIMITS = {"data": 45, "decode": 15, "capture": 15, "train": 70, "evaluate": 30, "scoring": 0, "split": 0}
 DRY_RUN_LIMITS = {name: 600 for name in LIMITS}  # a loaded 2-core CPU: the dry run checks plumbing, not time
 
 
@@ -594,6 +634,9 @@ def main(dry_run, quick, work, target_model, prompts, data, sections, train_vari
                 train_seconds=train_minutes * 60, steps=6 if dry_run else None)
     if "scoring" in chosen and list((work / "checkpoints").glob("step_*")):
         section("scoring", "scoring", batched_vs_one_block, work, target, device=device, sequences=2 if dry_run else 16)
+    if "split" in chosen:
+        section("split target", "split", split_figures, work, target, device=device, prompts=2 if dry_run else 4,
+                max_new_tokens=6 if dry_run else 32)
     save()
     print_table(figures)
 

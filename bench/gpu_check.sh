@@ -54,6 +54,7 @@ check = {
     "e2e_speedup": G.get("e2e_speedup"), "e2e_decode_speedup": G.get("e2e_decode_speedup"), "e2e_best_speedup": G.get("e2e_best_speedup"), "e2e_tau": G.get("e2e_tau"),
     "e2e_lossless_rate": G.get("e2e_lossless_rate"), "pipeline_tau": G.get("pipeline_tau"),
     "bench_seconds": G.get("total_seconds"), "bench_section_seconds": G.get("section_seconds"),
+    "split_answers_equal": G.get("split_answers_equal"), "split_vs_whole": G.get("split_vs_whole"),
     "generate_tokens_per_s": G.get("generate_tokens_per_s"), "decode_step_ms_batch1": G.get("decode_step_ms_batch1"),
     "decode_tokens_per_s_batch64": G.get("decode_tokens_per_s_batch64"),
     "decode_attention_backend": {k: (attention.get(f"shipped_b{b}_folded") or {}).get("chosen") for k, b in (("b1", 1), (f"b{batch}", batch))},

@@ -318,6 +318,28 @@ STATIC_ENGINE = [
                "runs (and measured 1.093 on the same machine the day's first run), so the difference is within that spread."),
 ]
 
+SCALE = [
+    Table("generate and capture at 1 and 2 processes on a CPU (bench/scale.py)", f"{STUDY}/scale_cpu.json", [
+        ("stage", "@", "`{}`"), ("1 process x 1 thread s", "1 process x 1 thread.seconds", "{:.1f}"),
+        ("1 process x all cores s", "1 process x all cores.seconds", "{:.1f}"),
+        ("2 processes x 1 thread s", "2 processes x 1 thread.seconds", "{:.1f}"),
+        ("all cores / 1 thread", "1 process x all cores.speedup_vs_1x1", "{:.2f}x"),
+        ("2 processes / 1 thread", "2 processes x 1 thread.speedup_vs_1x1", "{:.2f}x"),
+    ], rows="stages.*",
+       note="The default SmolLM2 target in fp32, the first prompts of the default set; each way the whole stage command as "
+            "`dvc repro` runs it (`stages/launch.py --processes N`), start-up and model load included, best of the rounds. "
+            "Machine, sizes and whether every way wrote the same bytes: the JSON file."),
+    Table("What a run costs at scale: a model, not a measurement (bench/scale_costs.py)", f"{STUDY}/scale_costs.json", [
+        ("target", "target", "{}"), ("prompts", "prompts", "{:,}"), ("generate GPU-h", "generate_gpu_hours", "{:,.1f}"),
+        ("capture GPU-h", "capture_gpu_hours", "{:,.1f}"), ("capture bound by", "capture_bound", "{}"),
+        ("train GPU-h (6 epochs)", "train_gpu_hours", "{:,.1f}"), ("8-GPU node-hours", "node_hours_8_gpus", "{:,.1f}"),
+        ("shards TB (bf16)", "shards_tb", "{:,.1f}"), ("shards TB (fp8)", "shards_tb_fp8", "{:,.1f}"),
+    ], rows="rows.*",
+       note="Every input is an assumption stated in the script and in [scale.md](scale.md#what-a-run-costs): H100 datasheet "
+            "peaks, 50% of HBM bandwidth per decode step at batch 64, 40% MFU for capture's forward, 20% MFU for train (the "
+            "issue-#37 goal, unmeasured), 4 GB/s of disk per node, 200 + 800 tokens per sample, 512 anchors x block 16, 6 epochs."),
+]
+
 SECTIONS = [
     ("The committed run", "`make repro` of the commit's code: its `data/metrics`, `data/plots` and `dvc.lock`.", COMMITTED),
     ("Training studies", "`bench/train_study.py` and `bench/compute_curve.py`; what they showed is in "
@@ -329,6 +351,8 @@ SECTIONS = [
     ("Decoding without host waits", "Issue #28's speculative step kept on the device and issue #36's one engine, measured on a CPU "
                                     "against the host loops; what they are is in [gpu.md](gpu.md#decoding-without-host-waits-issue-28) "
                                     "and [decoding.md](decoding.md#the-steps-forward-transformers-layers).", STATIC_ENGINE),
+    ("Scale", "Several processes measured on a CPU, and the cost of 8B and 70B runs modelled; how to launch them is in "
+              "[scale.md](scale.md).", SCALE),
 ]
 
 

@@ -275,7 +275,8 @@ def test_gpu_bench_dry_run(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     figures = json.loads(out.read_text())
     assert "section_errors" not in figures, figures["section_errors"]
-    assert figures["sections_done"] == ["data", "decode", "capture / forward", "train step", "train + evaluate", "scoring"]
+    assert figures["sections_done"] == ["data", "decode", "capture / forward", "train step", "train + evaluate", "scoring", "split target"]
+    assert figures["split_answers_equal"] is True and figures["split_devices"] == ["cpu", "disk"] and figures["split_vs_whole"] > 0
     assert set(figures["section_seconds"]) == set(figures["sections_done"]) and figures["limits_s"]["train"] > 0
     assert figures["decode_step_ms_batch1"] > 0 and figures["decode_static_vs_transformers_batch"] > 0
     for key in ("capture_vs_forward", "train_tokens_per_s", "train_mfu", "flex_vs_sdpa_step", "batched_vs_one_block",
@@ -337,3 +338,4 @@ def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
         assert isinstance(check[key], (int, float)) and check[key] > 0, key
     assert check["decode_attention_backend"]["b1"] and set(check["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
     assert check["graph_fallbacks"] == 0 and check["cudagraph_skips"] == 0 and "train_compiled_mfu" in check
+    assert check["split_answers_equal"] is True

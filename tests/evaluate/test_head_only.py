@@ -83,3 +83,22 @@ def test_a_target_too_large_for_this_machine_skips_decoding_and_says_why(tiny_ru
     metrics = to_metrics(skipped)
     assert metrics["decoding_skipped"] == skipped.decoding_skipped and "chain" not in metrics
     assert "decoding_skipped" not in to_metrics(full)
+
+
+def test_end_to_end_decoding_on_a_split_target_decodes_what_the_whole_target_does(tiny_run, tiny_checkpoints, tmp_path):
+    from dflash_pipeline.target.placement import TargetPlacement
+
+    target, root = tiny_run
+    split = TargetPlacement(device_map="auto", max_memory={"cpu": 12_900_000}, offload_folder=str(tmp_path / "offload"))
+    results = []
+    for chosen in (None, split):
+        result = run_evaluate(CONFIG, target=target, hidden_val_dir=root / "hidden" / "val", generated_val=root / "generated" / "val.parquet",
+                              checkpoints_dir=tiny_checkpoints, device="cpu", log=lambda *_: None, placement=chosen)
+        results.append(result)
+    whole, on_split = results
+    for a, b in zip(whole.e2e_results, on_split.e2e_results, strict=True):
+        assert a.plain.tokens == b.plain.tokens
+        assert {name: (run.tokens, run.steps) for name, run in a.speculative.items()} == \
+               {name: (run.tokens, run.steps) for name, run in b.speculative.items()}
+    assert on_split.record.chosen_record.decoding.chain.lossless_rate == 1.0
+    assert on_split.record.decoding_skipped is None

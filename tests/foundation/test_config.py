@@ -93,6 +93,8 @@ INVALID = {
     "evaluate": {"verify_tokens": 0, "temperatures": [-1.0], "sampling_rule": "greedy", "checkpoints": "best", "anchors_per_sequence": -1,
                  "tokens_per_batch": 0, "tree_budgets": [0], "num_prompts": -1, "max_new_tokens": 0},
     "export": {"dtype": "float16"},
+    "target": {"device_map": "balanced", "max_memory": {}, "offload_folder": " "},
+    "launch": {"processes": 0, "devices_per_replica": 0},
 }
 INVALID_OPTIONS = {"dflash": {}, "dflash2": {"conv_kernel_size": 0, "conv_group_size": 0, "selector_rank": 0, "selector_top_k": 1,
                                              "selector_weight": -1.0}}

@@ -151,3 +151,36 @@ def test_train_refuses_ranks_that_would_resume_at_different_steps(tiny_run, tmp_
     message = "error: train: ranks would resume at different steps (0 to 4): on several machines --out must be a folder all nodes share"
     assert (result.stdout + result.stderr).count(message) == 2, result.stdout + result.stderr
     assert not (tmp_path / "ck-rank1").exists() or not list((tmp_path / "ck-rank1").glob("step_*"))
+
+
+@pytest.mark.dvc
+@pytest.mark.slow
+def test_the_recipe_generate_on_two_nodes_then_dvc_commit_records_what_one_process_makes(tiny_pipeline):
+    """docs/scale.md's multi-node recipe for generate: every node runs the same torchrun line (c10d)
+    over the shared checkout, `dvc commit` records the output, and DVC then sees a pipeline that
+    needs no rerun of it; a single-process rerun makes the same answers (the same hash)."""
+    import yaml
+
+    repo = tiny_pipeline
+
+    def dvc(*args):
+        return run([sys.executable, "-m", "dvc", *args], repo)
+
+    dvc("repro", "target")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    command = ["stages/generate.py", "--params", "params.yaml", "--prompts", params["generate"]["prompts"], "--target",
+               "data/target/target.json", "--out", "data/generated", "--metrics", "data/metrics/generate.json"]
+    outputs = run_on_two_nodes(c10d_node, lambda launcher: [*launcher, *command], repo)
+    assert ["generate: train" in output for output in outputs].count(True) == 1, outputs  # global rank 0 alone reports
+    dvc("commit", "-f", "generate")
+    status = dvc("status", "generate").stdout
+    assert "changed" not in status, status
+
+    def recorded() -> str:
+        lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["generate"]
+        return next(out["md5"] for out in lock["outs"] if out["path"] == "data/generated")
+
+    by_nodes = recorded()
+    run(["rm", "-rf", "data/generated"], repo)
+    dvc("repro", "-f", "-s", "generate")  # one process, from nothing
+    assert recorded() == by_nodes

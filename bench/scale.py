@@ -1,0 +1,108 @@
+"""Benchmark: the data-parallel stages at 1 and 2 processes, side by side, on the default target.
+
+    python bench/scale.py [--prompts 32] [--max-new-tokens 64] [--rounds 1]
+
+Runs `generate` and then `capture` as `dvc repro` runs them (`stages/launch.py --processes N`),
+each three ways on the same inputs: one process with one thread, one process with a thread per
+core, and two processes of one thread each (torchrun, gloo), in turn, round by round. Prints each
+stage's wall time (the whole command: start-up, model load, work, the rank-0 assembly) and the
+stage's own tokens/s, the ratios against one process, and whether every way wrote the same bytes
+(answers, shards). Writes bench/results/scale_cpu.json. Needs the `target` stage's output.
+
+On a GPU node the same comparison is one process per GPU: `launch.processes` = GPUs (docs/scale.md).
+"""
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+WAYS = {  # name -> (processes, threads per process)
+    "1 process x 1 thread": (1, 1),
+    "1 process x all cores": (1, os.cpu_count() or 1),
+    "2 processes x 1 thread": (2, 1),
+}
+
+
+def _environment(threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _run(stage: str, args: list[str], *, processes: int, threads: int, cwd: Path) -> float:
+    """Seconds the whole stage command took."""
+    cmd = [sys.executable, str(REPO / "stages" / "launch.py"), "--processes", str(processes), str(REPO / "stages" / f"{stage}.py"), *args]
+    started = time.perf_counter()
+    result = subprocess.run(cmd, cwd=cwd, env=_environment(threads), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise click.ClickException(f"{stage} with {processes} process(es) failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return time.perf_counter() - started
+
+
+def _same_files(a: Path, b: Path, pattern: str) -> bool:
+    names = sorted(p.relative_to(a) for p in a.glob(pattern))
+    return bool(names) and names == sorted(p.relative_to(b) for p in b.glob(pattern)) and all(
+        filecmp.cmp(a / name, b / name, shallow=False) for name in names)
+
+
+@click.command()
+@click.option("--target", "target_json", type=click.Path(path_type=Path, exists=True), default="data/target/target.json", show_default=True)
+@click.option("--prompts", "prompt_count", type=int, default=32, show_default=True)
+@click.option("--max-new-tokens", type=int, default=64, show_default=True)
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--rounds", type=int, default=1, show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=REPO / "bench" / "results" / "scale_cpu.json", show_default=True)
+def main(target_json: Path, prompt_count: int, max_new_tokens: int, batch_size: int, rounds: int, json_path: Path) -> None:
+    from dflash_pipeline.foundation.devices import machine_description
+
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["generate"].update(max_prompts=prompt_count, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    params["capture"].update(shard_mb=4)  # several shards, so both ranks write some
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    target_json = target_json.resolve()
+    prompts = REPO / params["generate"]["prompts"]
+    seconds: dict[str, dict[str, list[float]]] = {"generate": {}, "capture": {}}
+    rates: dict[str, dict[str, list[float]]] = {"generate": {}, "capture": {}}
+    for round_ in range(rounds):
+        for way, (processes, threads) in WAYS.items():
+            out = work / f"r{round_}-{processes}-{threads}"
+            generate_args = ["--params", str(work / "params.yaml"), "--prompts", str(prompts), "--target", str(target_json),
+                             "--out", str(out / "generated"), "--metrics", str(out / "generate.json"), "--device", "cpu"]
+            seconds["generate"].setdefault(way, []).append(_run("generate", generate_args, processes=processes, threads=threads, cwd=work))
+            rates["generate"].setdefault(way, []).append(json.loads((out / "generate.json").read_text())["tokens_per_s"])
+            capture_args = ["--params", str(work / "params.yaml"), "--generated", str(out / "generated"), "--target", str(target_json),
+                            "--out", str(out / "hidden"), "--metrics", str(out / "capture.json"), "--device", "cpu"]
+            seconds["capture"].setdefault(way, []).append(_run("capture", capture_args, processes=processes, threads=threads, cwd=work))
+            rates["capture"].setdefault(way, []).append(json.loads((out / "capture.json").read_text())["train"]["tokens_per_s"])
+            print(f"round {round_ + 1}, {way}: generate {seconds['generate'][way][-1]:.1f} s, capture {seconds['capture'][way][-1]:.1f} s",
+                  flush=True)
+    runs = sorted(work.glob("r*-*-*"))
+    same = {"answers": all(_same_files(runs[0] / "generated", run / "generated", "*.parquet") for run in runs[1:]),
+            "shards": all(_same_files(runs[0] / "hidden", run / "hidden", "*/*.arrow") for run in runs[1:])}
+    baseline = "1 process x 1 thread"
+    record = {"machine": machine_description(), "date": time.strftime("%Y-%m-%d"), "prompts": prompt_count,
+              "max_new_tokens": max_new_tokens, "batch_size": batch_size, "rounds": rounds, "identical_outputs": same, "stages": {}}
+    for stage in ("generate", "capture"):
+        best = {way: min(values) for way, values in seconds[stage].items()}
+        record["stages"][stage] = {way: {"seconds": round(best[way], 2), "stage_tokens_per_s": max(rates[stage][way]),
+                                         "speedup_vs_1x1": round(best[baseline] / best[way], 3)} for way in WAYS}
+        print(f"{stage}: " + "; ".join(f"{way} {best[way]:.1f} s ({best[baseline] / best[way]:.2f}x, stage {max(rates[stage][way]):.0f} tok/s)"
+                                      for way in WAYS))
+    print(f"identical outputs across the ways: {same}")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()
