@@ -100,7 +100,7 @@ case "${1:-}" in
     "$PY" bench/gpu_probe.py --dry-run "$OUT/probe.json" > "$OUT/probe.log" 2>&1 || echo "probe: exit $?"
     "$PY" -c "import transformers; print(transformers.__version__, '(installed)')" > "$OUT/packages" 2>&1
     TORCH_LOGS="${TORCH_LOGS:-recompiles,perf_hints}" "$PY" bench/gpu.py --dry-run --work "$OUT/work" --json "$OUT/gpu.json" \
-      --sections capture,train,evaluate > "$OUT/gpu.log" 2>&1 || echo "bench: exit $?"
+      > "$OUT/gpu.log" 2>&1 || echo "bench: exit $?"
     summary
     ;;
   *)

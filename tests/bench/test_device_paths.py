@@ -267,35 +267,11 @@ def test_a_decode_figure_from_a_noisy_pair_of_runs_is_never_zero():
 
 
 @pytest.mark.subprocess
-def test_gpu_bench_dry_run(tmp_path):
-    """The lent-GPU script end to end at toy sizes on the CPU: every section runs and prints its row."""
-    out = tmp_path / "gpu.json"
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu.py"), "--dry-run", "--work", str(tmp_path / "work"),
-                             "--json", str(out)], cwd=tmp_path, env=stage_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout + result.stderr
-    figures = json.loads(out.read_text())
-    assert "section_errors" not in figures, figures["section_errors"]
-    assert figures["sections_done"] == ["data", "decode", "capture / forward", "train step", "train + evaluate", "scoring", "split target"]
-    assert figures["split_answers_equal"] is True and figures["split_devices"] == ["cpu", "disk"] and figures["split_vs_whole"] > 0
-    assert set(figures["section_seconds"]) == set(figures["sections_done"]) and figures["limits_s"]["train"] > 0
-    assert figures["decode_step_ms_batch1"] > 0 and figures["decode_static_vs_transformers_batch"] > 0
-    for key in ("capture_vs_forward", "train_tokens_per_s", "train_mfu", "flex_vs_sdpa_step", "batched_vs_one_block",
-                "e2e_speedup", "verify_cost_decode_steps", "pipeline_tau", "scoring_vs_host_dense_mask", "train_host_prepare_ms",
-                "capture_gpu_path_vs_forward", "writer_vs_disk", "capture_stage_tokens_per_s", "decode_setup_ms_batch1",
-                "pipeline_train_steps"):
-        assert key in figures, key
-    assert set(figures["train_variants"]) == {"sdpa", "sdpa-compiled"}  # the compiled step runs (inductor on the CPU)
-    assert figures["e2e_lossless_rate"] == 1.0 and figures["pipeline_tau"] >= 1.0
-    assert figures["scoring_same_tau_as_host_dense_mask"] is True
-    assert "capture / forward" in result.stdout
-
-
-@pytest.mark.subprocess
 def test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest(tmp_path):
     """A part past its time limit loses its own figures only: here the train section, given 1 s."""
     out = tmp_path / "gpu.json"
     result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu.py"), "--dry-run", "--work", str(tmp_path / "work"),
-                             "--sections", "train,evaluate", "--limit", "train=1", "--json", str(out)],
+                             "--data", "fabricated", "--sections", "train,evaluate", "--limit", "train=1", "--json", str(out)],
                             cwd=tmp_path, env=stage_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     figures = json.loads(out.read_text())
@@ -305,25 +281,10 @@ def test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest(tmp_path):
 
 
 @pytest.mark.subprocess
-def test_gpu_probe_dry_run(tmp_path):
-    """The probe of the decoding engine at toy sizes on the CPU: every part gives its figures."""
-    out = tmp_path / "probe.json"
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu_probe.py"), "--dry-run", str(out)],
-                            cwd=tmp_path, env=stage_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    figures = json.loads(out.read_text())
-    for part in ("attention", "plain_shipped", "plain_cudnn_on", "phases_plain", "phases_chain", "phases_tree8", "phases_sampled",
-                 "flex", "compiled_b1"):
-        assert "error" not in figures[part], (part, figures[part])
-    assert figures["plain_shipped"]["b1"]["ms_per_step"] > 0 and figures["compiled_b1"]["compiled_ms"] > 0
-    assert set(figures["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
-    assert figures["graph_fallbacks"] == 0 and result.stdout.rstrip().splitlines()[-1].startswith("PROBE {")
-
-
-@pytest.mark.subprocess
 def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
     """bench/gpu_check.sh's two calls at toy sizes on the CPU: the last line is CHECK {...} with the
-    figures of issue #37's table, the decode step's attention backend and the fallback counts."""
+    figures of issue #37's table, the decode step's attention backend and the fallback counts; the
+    bench and the probe it ran each gave every figure (one run of each serves all three checks)."""
     env = {**stage_env(), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "HOME": str(tmp_path)}
     result = subprocess.run(["bash", str(REPO_ROOT / "bench" / "gpu_check.sh"), "dry-run"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=900)
@@ -339,3 +300,29 @@ def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
     assert check["decode_attention_backend"]["b1"] and set(check["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
     assert check["graph_fallbacks"] == 0 and check["cudagraph_skips"] == 0 and "train_compiled_mfu" in check
     assert check["split_answers_equal"] is True
+
+    # The lent-GPU bench (call 2's bench/gpu.py) end to end at toy sizes: every section runs and prints its row.
+    figures = json.loads((tmp_path / "out" / "gpu.json").read_text())
+    assert "section_errors" not in figures, figures["section_errors"]
+    assert figures["sections_done"] == ["data", "decode", "capture / forward", "train step", "train + evaluate", "scoring", "split target"]
+    assert figures["split_answers_equal"] is True and figures["split_devices"] == ["cpu", "disk"] and figures["split_vs_whole"] > 0
+    assert set(figures["section_seconds"]) == set(figures["sections_done"]) and figures["limits_s"]["train"] > 0
+    assert figures["decode_step_ms_batch1"] > 0 and figures["decode_static_vs_transformers_batch"] > 0
+    for key in ("capture_vs_forward", "train_tokens_per_s", "train_mfu", "flex_vs_sdpa_step", "batched_vs_one_block",
+                "e2e_speedup", "verify_cost_decode_steps", "pipeline_tau", "scoring_vs_host_dense_mask", "train_host_prepare_ms",
+                "capture_gpu_path_vs_forward", "writer_vs_disk", "capture_stage_tokens_per_s", "decode_setup_ms_batch1",
+                "pipeline_train_steps"):
+        assert key in figures, key
+    assert set(figures["train_variants"]) == {"sdpa", "sdpa-compiled"}  # the compiled step runs (inductor on the CPU)
+    assert figures["e2e_lossless_rate"] == 1.0 and figures["pipeline_tau"] >= 1.0
+    assert figures["scoring_same_tau_as_host_dense_mask"] is True
+    assert "capture / forward" in (tmp_path / "out" / "gpu.log").read_text()
+
+    # The probe of the decoding engine (call 1's bench/gpu_probe.py): every part gives its figures.
+    probe = json.loads((tmp_path / "out" / "probe.json").read_text())
+    for part in ("attention", "plain_shipped", "plain_cudnn_on", "phases_plain", "phases_chain", "phases_tree8", "phases_sampled",
+                 "flex", "compiled_b1"):
+        assert "error" not in probe[part], (part, probe[part])
+    assert probe["plain_shipped"]["b1"]["ms_per_step"] > 0 and probe["compiled_b1"]["compiled_ms"] > 0
+    assert set(probe["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
+    assert probe["graph_fallbacks"] == 0 and (tmp_path / "out" / "probe.log").read_text().rstrip().splitlines()[-1].startswith("PROBE {")

@@ -204,13 +204,13 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
     prompts = read_prompts(Path(__file__).parents[2] / "data" / "prompts" / "default.jsonl", val_fraction=0.1).prompts[:2]
     for prompt in prompts:
         ids = render_prompt(tokenizer, prompt, system_prompt=None, enable_thinking=False)
-        reference = host_greedy_decode(model, ids, max_new_tokens=40, eos_ids={2})
-        assert static_plain_decode(model, ids, max_new_tokens=40, eos_ids={2}).tokens == reference.tokens
+        reference = host_greedy_decode(model, ids, max_new_tokens=24, eos_ids={2})
+        assert static_plain_decode(model, ids, max_new_tokens=24, eos_ids={2}).tokens == reference.tokens
         with monkeypatch.context() as patch:
             install_oracle(patch, len(ids), reference.tokens, config.vocab_size)
             for mode in (dict(), dict(tree_budget=8)):
-                run = Speculation(drafter, head, **mode).decode(model, ids, max_new_tokens=40, eos_ids={2}, feature_dtype="bf16")
-                host = host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), ids, max_new_tokens=40,
+                run = Speculation(drafter, head, **mode).decode(model, ids, max_new_tokens=24, eos_ids={2}, feature_dtype="bf16")
+                host = host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), ids, max_new_tokens=24,
                                                       eos_ids={2}, feature_dtype="bf16")
                 assert run.tokens == reference.tokens == host.tokens and run.steps == host.steps and max(run.steps) >= 3
     tap.remove()
