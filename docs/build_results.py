@@ -325,10 +325,13 @@ SCALE = [
         ("2 processes x 1 thread s", "2 processes x 1 thread.seconds", "{:.1f}"),
         ("all cores / 1 thread", "1 process x all cores.speedup_vs_1x1", "{:.2f}x"),
         ("2 processes / 1 thread", "2 processes x 1 thread.speedup_vs_1x1", "{:.2f}x"),
+        ("stage tokens/s (1 x 1, all cores, 2 x 1)", ("1 process x 1 thread.stage_tokens_per_s", "1 process x all cores.stage_tokens_per_s",
+                                                      "2 processes x 1 thread.stage_tokens_per_s"), "{:.0f}, {:.0f}, {:.0f}"),
     ], rows="stages.*",
        note="The default SmolLM2 target in fp32, the first prompts of the default set; each way the whole stage command as "
-            "`dvc repro` runs it (`stages/launch.py --processes N`), start-up and model load included, best of the rounds. "
-            "Machine, sizes and whether every way wrote the same bytes: the JSON file."),
+            "`dvc repro` runs it (`stages/launch.py --processes N`), start-up and model load included, best of the rounds; "
+            "the stage's tokens/s is its own count over its own seconds (capture: both splits). Machine, sizes and whether each "
+            "way wrote the bytes of one process with one thread: the JSON file."),
     Table("What a run costs at scale: a model, not a measurement (bench/scale_costs.py)", f"{STUDY}/scale_costs.json", [
         ("target", "target", "{}"), ("prompts", "prompts", "{:,}"), ("generate GPU-h", "generate_gpu_hours", "{:,.1f}"),
         ("capture GPU-h", "capture_gpu_hours", "{:,.1f}"), ("capture bound by", "capture_bound", "{}"),
