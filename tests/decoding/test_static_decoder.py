@@ -30,9 +30,12 @@ def test_generate_decodes_on_the_static_step_on_every_device_and_refuses_what_it
 
     model = tiny_target[0]
     assert supports(model) and decoding_engine(model) == "static-kv"
-    cuda = type("Parameter", (), {"device": torch.device("cuda")})()
-    monkeypatch.setattr(model, "parameters", lambda: iter([cuda]))
+    monkeypatch.setattr("dflash_pipeline.decoding.loop.model_device", lambda model: torch.device("cuda"))
     assert decoding_engine(model) == "static-kv-cuda-graph"
+    # A target split over devices (`target.placement`) is never captured as a graph: eager, same answers.
+    monkeypatch.setattr(model, "hf_device_map", {"model.embed_tokens": 0, "model.layers": "cpu"}, raising=False)
+    assert decoding_engine(model) == "static-kv"
+    monkeypatch.delattr(model, "hf_device_map")
     monkeypatch.setattr(model.config, "attn_logit_softcapping", 50.0, raising=False)
     with pytest.raises(PipelineError, match="model type 'llama' soft-caps attention logits"):
         decoding_engine(model)
