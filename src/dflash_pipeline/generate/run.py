@@ -25,34 +25,24 @@ because it merely parses.
 
 Under torchrun (`launch.processes`, `stages/launch.py`) every rank makes the same batch plan and
 answers its own batches into the one chunk folder (a folder all nodes share, on several nodes);
-rank 0 assembles the splits, the same bytes as one process writes.
+rank 0 assembles the splits, the same bytes as one process writes. The answer cache and the settings
+it is keyed by are `generate.cache`.
 """
 
-import json
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from dflash_pipeline.foundation.config import GenerateConfig, as_dict
 from dflash_pipeline.foundation.distributed import Ranks, barrier, init_distributed, leave_process_group, sum_over_ranks
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.foundation.files import (
-    SHA256_SUFFIX,
-    recorded_digest_problem,
-    reuse_or_reset,
-    sha256_file,
-    sha256_record_path,
-    write_json_atomic,
-    write_sha256_record,
-)
-from dflash_pipeline.data.prompts import GENERATED_SCHEMA, Prompt, PromptSet
+from dflash_pipeline.foundation.files import write_json_atomic
+from dflash_pipeline.data.prompts import Prompt, PromptSet
 from dflash_pipeline.target.load import TargetInfo
 from dflash_pipeline.target.placement import TargetPlacement, model_device
+from dflash_pipeline.generate.cache import AnswerCache, generation_settings, rows_table, write_parquet_atomic
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -141,99 +131,6 @@ def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: i
     return [Answer(tokens, "stop" if stopped else "length") for tokens, stopped in step.answers()]
 
 
-def generation_settings(config: GenerateConfig, target: TargetInfo, compute_dtype: str, engine: str) -> dict:
-    """Everything that changes an answer; cached answers are reused only when this matches."""
-    return {
-        "target_fingerprint": target.fingerprint,
-        "system_prompt": config.system_prompt,
-        "enable_thinking": config.enable_thinking,
-        "max_new_tokens": config.max_new_tokens,
-        "compute_dtype": compute_dtype,
-        "decoding": "greedy",
-        "engine": engine,
-    }
-
-
-def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
-    """`path` whole or not at all, its sha256 record written before it is renamed into place."""
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    write_sha256_record(path, sha256_file(tmp))
-    os.replace(tmp, path)
-
-
-def _rows_table(rows: list[dict], settings: dict) -> pa.Table:
-    table = pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA)
-    return table.replace_schema_metadata({b"dflash.generation_settings": json.dumps(settings, sort_keys=True).encode()})
-
-
-class AnswerCache:
-    """The resume cache: answers keyed by prompt id, stored as atomically written Parquet chunks.
-
-    Under torchrun every rank opens the one folder: rank 0 first (`maintain`: it discards chunks of
-    other settings and damaged ones), the others after a barrier, only reading. Rank r of `world`
-    names its new chunks with numbers r, r + world, ..., so ranks never race for a name."""
-
-    def __init__(self, folder: Path, settings: dict, *, maintain: bool = True, rank: int = 0, world: int = 1):
-        self.folder = folder
-        self.settings = settings
-        self.rank, self.world = rank, world
-        self.rows: dict[str, dict] = {}
-        self.chunks: list[Path] = []
-        self.discarded, self.dropped = 0, []
-        if maintain:
-            self.discarded = reuse_or_reset(folder, "settings.json", settings, "chunk-*.parquet")
-            self.dropped = self._drop_unverified_chunks()
-        self.read_chunks()
-
-    def read_chunks(self) -> None:
-        """Read every chunk in the folder not read yet (after a barrier: the other ranks' answers)."""
-        known = set(self.chunks)
-        for chunk in sorted(self.folder.glob("chunk-*.parquet")):
-            if chunk in known:
-                continue
-            try:
-                table = pq.read_table(chunk)
-            except Exception as exc:  # a chunk is only ever renamed into place whole
-                raise PipelineError(f"{chunk}: unreadable answer chunk ({exc}); delete it to regenerate its answers") from None
-            for row in table.to_pylist():
-                self.rows[row["prompt_id"]] = row
-            self.chunks.append(chunk)
-        self.chunks.sort()
-
-    def _drop_unverified_chunks(self) -> list[str]:
-        """Remove every chunk that does not match the sha256 record its writer made (its answers
-        are generated again) and every record left without its chunk; say so in one line."""
-        dropped = []
-        for chunk in sorted(self.folder.glob("chunk-*.parquet")):
-            problem = recorded_digest_problem(chunk)
-            if problem is None and not sha256_record_path(chunk).is_file():
-                problem = f"{chunk}: no recorded sha256 to check it against"
-            if problem:
-                chunk.unlink()
-                sha256_record_path(chunk).unlink(missing_ok=True)
-                dropped.append(problem)
-        for record in self.folder.glob("chunk-*.parquet" + SHA256_SUFFIX):
-            if not record.with_name(record.name.removesuffix(SHA256_SUFFIX)).is_file():
-                record.unlink()  # a writer killed before its rename, or a chunk removed by `verify --repair`
-        if dropped:
-            shown = "; ".join(dropped[:2]) + (f"; and {len(dropped) - 2} more" if len(dropped) > 2 else "")
-            print(f"generate: answering again the prompts of {len(dropped)} chunk(s) that do not match their recorded sha256: {shown}")
-        return dropped
-
-    def add(self, rows: list[dict]) -> None:
-        """Save one batch's rows as the lowest-numbered chunk not there: a chunk answered again
-        after damage takes its old name (and, the same prompts answered alike, its old bytes)."""
-        taken = {chunk.name for chunk in self.chunks}
-        index = next(number for number in range(self.rank, (len(taken) + 1) * self.world + self.rank + 1, self.world)
-                     if f"chunk-{number:05d}.parquet" not in taken)
-        path = self.folder / f"chunk-{index:05d}.parquet"
-        _write_parquet_atomic(_rows_table(rows, self.settings), path)
-        self.chunks = sorted(self.chunks + [path])
-        for row in rows:
-            self.rows[row["prompt_id"]] = row
-
-
 def _progress_bar(total: int, done: int, *, desc: str = "generate", disable: bool = False):
     from dflash_pipeline.foundation.progress import progress
 
@@ -308,7 +205,7 @@ def write_splits(selected: list[tuple[Prompt, list[int]]], cache: "AnswerCache",
         row["category"] = prompt.category
         splits[prompt.split].append(row)
     for split, rows in splits.items():
-        _write_parquet_atomic(_rows_table(rows, settings), out_dir / f"{split}.parquet")
+        write_parquet_atomic(rows_table(rows, settings), out_dir / f"{split}.parquet")
     return splits
 
 
