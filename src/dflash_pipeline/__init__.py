@@ -5,8 +5,8 @@ Stages: target -> generate -> capture -> train -> evaluate -> export, driven by 
 ground up (a wing imports only itself and the wings listed before it; the stage wings never
 import each other; tests/test_layering.py keeps it so):
 
-    foundation   errors, atomic files, the safetensors reader, params, devices, statistics, progress
-    target       the target model: a folder, the embedded GGUF, loading and fingerprinting
+    foundation   errors, atomic files, the safetensors reader, params, devices, torchrun ranks, statistics, progress
+    target       the target model: a folder, the embedded GGUF, loading (whole or split) and fingerprinting
     data         prompt sets, answers, Arrow shards, training blocks and their attention masks
     speculation  sampling, draft trees, decoding modes: the math of speculation, no model
     drafters     the drafter family, checkpoints, the serving format, loading a drafter folder
