@@ -1,6 +1,6 @@
 # Two commands on a fresh clone (see README):
 #   make repro   install everything, then run the default pipeline (dvc repro), check it and repair damage
-#   make test    install everything, then run the whole test suite
+#   make test    install everything, then run the whole test suite (make test-record: and record its durations)
 # and for the edit-test loop and a first look:
 #   make test-fast  the unit lane: tests not marked slow, dvc or subprocess (pyproject.toml markers)
 #   make demo       every stage and the console command on the real target, ten prompts (.demo/)
@@ -16,7 +16,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 export PATH := $(BIN):$(PATH)
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install repro test test-fast demo bench clean-venv
+.PHONY: install repro test test-record test-fast demo bench clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,8 +52,14 @@ repro: install
 	# links only to cache files just checked.
 	dvc checkout --relink -q
 
+# The pytest process runs torch on one thread (tests/conftest.py; stage commands it spawns keep theirs);
+# the slowest 30 tests are printed at the end. `make test-record` also writes tests/durations.json
+# (the count, the time, the slowest 30: docs/results.md renders it, the README quotes it).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
+
+test-record: install
+	DFLASH_TEST_DURATIONS=tests/durations.json $(BIN)/python -m pytest -q --durations=30
 
 # The unit lane runs torch on one thread (unless OMP_NUM_THREADS says otherwise): its models are a few
 # layers 64 wide, too small to gain from a second thread, and on a busy 2-core machine two threads

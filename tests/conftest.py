@@ -15,7 +15,9 @@ below feed it). Helpers the tests import live in tests/support/helpers.py.
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,10 +29,21 @@ from support.helpers import (
     write_generated,
     write_jsonl,
 )
+from support import durations
 from support.lanes import _running, check_lane_fixtures
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    """One torch thread for this process (`DFLASH_TEST_THREADS` to choose another count): its models are a
+    few layers 64 wide, too small to gain from a second thread, and on a busy 2-core machine two threads
+    per process made the unit lane 9x slower. The stage commands the tests spawn keep torch's default."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "1")))
+    durations.register(config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -153,11 +166,9 @@ def sample_prompts(tmp_path) -> Path:
     return write_jsonl(tmp_path / "prompts.jsonl", SAMPLE_PROMPTS)
 
 
-@pytest.fixture
-def pipeline_repo(tmp_path) -> Path:
-    """A fresh git + DVC repo holding this project's pipeline files (not its data or venv)."""
-    repo = tmp_path / "repo"
-    repo.mkdir()
+def new_pipeline_repo(repo: Path) -> Path:
+    """A fresh git + DVC repo at `repo` holding this project's pipeline files (not its data or venv)."""
+    repo.mkdir(parents=True)
     for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(REPO_ROOT / name, repo / name)
     for folder in ("stages", "src", ".dvc"):
@@ -169,13 +180,12 @@ def pipeline_repo(tmp_path) -> Path:
     return repo
 
 
-@pytest.fixture
-def tiny_pipeline(pipeline_repo, tiny_llama_dir):
-    """`pipeline_repo` on the tiny Llama with params small enough for a whole `dvc repro` in seconds."""
+def set_tiny_params(repo: Path, tiny_llama_dir: Path) -> Path:
+    """The tiny Llama as the target, with params small enough for a whole `dvc repro` in seconds."""
     prompts = [{"prompt": f"Give me fact number {i} about the number {i * 7}.", "category": "chat"} for i in range(30)]
-    write_jsonl(pipeline_repo / "data" / "prompts" / "small.jsonl", SAMPLE_PROMPTS + prompts)
+    write_jsonl(repo / "data" / "prompts" / "small.jsonl", SAMPLE_PROMPTS + prompts)
     set_params(
-        pipeline_repo,
+        repo,
         target={"model": str(tiny_llama_dir), "watch": str(tiny_llama_dir)},
         generate={"prompts": "data/prompts/small.jsonl", "max_prompts": 8, "max_new_tokens": 8, "batch_size": 4},
         capture={"layer_ids": [1, 3], "shard_mb": 1},
@@ -184,7 +194,51 @@ def tiny_pipeline(pipeline_repo, tiny_llama_dir):
         train={"max_steps": 4, "eval_every": 2, "save_every": 2, "eval_blocks": 16, "tokens_per_step": 256, "train_vocab": "full"},
         evaluate={"anchors_per_sequence": 4, "num_prompts": 1, "max_new_tokens": 6},
     )
-    return pipeline_repo
+    return repo
+
+
+@pytest.fixture
+def pipeline_repo(tmp_path) -> Path:
+    """A fresh git + DVC repo holding this project's pipeline files (not its data or venv)."""
+    return new_pipeline_repo(tmp_path / "repo")
+
+
+@pytest.fixture
+def tiny_pipeline(pipeline_repo, tiny_llama_dir):
+    """`pipeline_repo` on the tiny Llama with params small enough for a whole `dvc repro` in seconds."""
+    return set_tiny_params(pipeline_repo, tiny_llama_dir)
+
+
+@dataclass(frozen=True)
+class ReproducedPipeline:
+    """The tiny pipeline after one `dvc repro` from nothing, committed: the repo and what the run printed."""
+
+    repo: Path
+    first_repro: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline_reproduced_once(tmp_path_factory, tiny_llama_dir) -> ReproducedPipeline:
+    """The one `dvc repro` of the tiny pipeline from nothing per test session (then `git commit`).
+    Tests never touch it: each takes a copy (`reproduced_tiny_pipeline`). A whole run costs about a
+    minute of process starts on two cores, and nine DVC tests began with the same one."""
+    repo = set_tiny_params(new_pipeline_repo(tmp_path_factory.mktemp("reproduced") / "repo"), tiny_llama_dir)
+    first = run(["dvc", "repro"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "the tiny run"], repo)
+    return ReproducedPipeline(repo, first)
+
+
+@pytest.fixture
+def reproduced_tiny_pipeline(tiny_pipeline_reproduced_once, tmp_path) -> Path:
+    """A copy of the tiny pipeline as one `dvc repro` from nothing left it, committed: the git repo,
+    its DVC cache and the workspace's outputs, hard links and read-only modes kept (`cp -a`), so the
+    copy is the run itself, not a checkout of it. DVC's own state (.dvc/tmp: locks, the queue) stays
+    behind; it is rebuilt on first use."""
+    copy = tmp_path / "repo"
+    subprocess.run(["cp", "-a", str(tiny_pipeline_reproduced_once.repo), str(copy)], check=True)
+    shutil.rmtree(copy / ".dvc" / "tmp", ignore_errors=True)
+    return copy
 
 
 @pytest.fixture(scope="session")

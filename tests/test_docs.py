@@ -3,9 +3,9 @@ the README is short with a working contents list, every relative link in README.
 resolves (files and heading anchors), and tables of numbers live only in the generated page."""
 
 import importlib.util
+import io
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -188,25 +188,76 @@ def test_tables_of_numbers_are_generated_not_typed(page):
 
 # ----------------------------------------------------------------------------- the README's two commands, in order
 
+# What a run rewrites in the workspace, and what the docs check reads of it from the committed files.
+RUN_FILES = ("dvc.lock", "data/metrics", "data/plots")
+COMMITTED_RUN = ("README.md", "docs", "bench/results", *RUN_FILES)
+
+
+def files_under(repo: Path, paths) -> dict[str, bytes]:
+    """Every file at or under `paths` in `repo`'s workspace, by path relative to it."""
+    found = {}
+    for name in paths:
+        top = repo / name
+        for file in [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()):
+            found[file.relative_to(repo).as_posix()] = file.read_bytes()
+    return found
+
+
+def write_files(repo: Path, files: dict[str, bytes], *, replacing=()) -> None:
+    """`files` written into `repo`, after removing every file under `replacing` (a run's outputs replace the last run's)."""
+    for name in replacing:
+        top = repo / name
+        for file in [top] if top.is_file() else [p for p in top.rglob("*") if p.is_file()] if top.is_dir() else []:
+            file.unlink()
+    for name, data in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes(data)
+
+
+def test_the_committed_run_is_read_from_head_while_the_workspace_holds_another_run(tmp_path):
+    """The defect of issue #46: after `make repro` a fresh clone's workspace holds its own run (dvc.lock's
+    sizes, the metrics' timings), and what stood for the committed run was copied from the workspace."""
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", "--shared", str(REPO_ROOT), str(clone))
+    committed = files_under(clone, COMMITTED_RUN)
+    write_files(clone, {"dvc.lock": b"stages: {}\n", "data/metrics/eval.json": b"{}"}, replacing=RUN_FILES)
+    assert committed_files(clone, COMMITTED_RUN) == committed != files_under(clone, COMMITTED_RUN)
+
+
+def committed_files(repo: Path, paths) -> dict[str, bytes]:
+    """Every file at or under `paths` as committed at `repo`'s HEAD (`git archive`), never the workspace's."""
+    import subprocess
+    import tarfile
+
+    listed = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", "HEAD", "--", *paths], check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(listed)) as archive:
+        return {member.name: archive.extractfile(member).read() for member in archive.getmembers() if member.isfile()}
+
+
 @pytest.mark.slow
 @pytest.mark.dvc
-def test_a_pipeline_run_in_the_workspace_leaves_the_docs_check_passing(tiny_pipeline):
-    """`make repro` then `make test`: a run rewrites data/metrics and data/plots in the workspace (here
-    on the tiny target, in a copy of this repository committed as it is), and the docs check still
-    passes, since the page is the committed run's; built from the workspace, the nested metrics of
-    the new run fill every table of the spec."""
+def test_a_pipeline_run_in_the_workspace_leaves_the_docs_check_passing(reproduced_tiny_pipeline, tmp_path):
+    """`make repro` then `make test` in one fresh clone: the run rewrites dvc.lock, data/metrics and
+    data/plots in the workspace, and the docs check still passes, since the page is the committed run's.
+    Here the user's clone holds another run in its workspace (as after `make repro`), the committed run
+    is taken from its HEAD into a copy of the tiny pipeline's run and committed, and the tiny run's own
+    files are put back in the workspace (a state `dvc status` calls clean); built from the workspace,
+    the nested metrics of the tiny run fill every table of the spec."""
     from support.helpers import run
 
-    repo = tiny_pipeline
-    for name in ("README.md", "dvc.lock"):
-        shutil.copy(REPO_ROOT / name, repo / name)
-    for folder in ("docs", "bench/results", "data/metrics", "data/plots"):
-        shutil.copytree(REPO_ROOT / folder, repo / folder, dirs_exist_ok=True)
+    user = tmp_path / "user-clone"
+    git(tmp_path, "clone", "-q", "--shared", str(REPO_ROOT), str(user))
+    repo = reproduced_tiny_pipeline
+    tiny_run = files_under(repo, RUN_FILES)
+    write_files(user, tiny_run, replacing=RUN_FILES)  # the user's `make repro`: another run in the workspace
+
+    write_files(repo, committed_files(user, COMMITTED_RUN), replacing=RUN_FILES)
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "the committed run"], repo)
+    write_files(repo, tiny_run, replacing=RUN_FILES)  # the workspace holds the tiny run again, as `dvc repro` wrote it
+    assert run(["dvc", "status"], repo).stdout.strip().endswith("Data and pipelines are up to date.")
+    assert run(["git", "status", "--porcelain"], repo).stdout.strip()  # ... and it differs from the committed run
 
-    run(["dvc", "repro"], repo)
-    assert json.loads((repo / "data" / "metrics" / "eval.json").read_text())["chosen"]["name"] == "step_000004"
     run(["python", "docs/build_results.py", "--check"], repo)
     run(["python", "docs/build_results.py", "--workspace"], repo)
     page = (repo / "docs" / "results.md").read_text()

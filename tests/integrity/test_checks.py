@@ -1,11 +1,13 @@
-"""integrity/ (checks.py, repair.py) under real DVC: bit rot in hard-linked outputs (a shard, a checkpoint's weights, an answer chunk),
-which DVC alone restores from its run cache and relinks onto rebuilt files, is repaired by `make
-repro`'s own commands; and a killed capture's staging folder, which DVC's run cache leaves behind
-when it serves the rerun, is gone after them. (The checks and the repair themselves, without DVC:
-tests/cli/test_verify.py.)"""
+"""integrity/ (checks.py, repair.py) under real DVC: bit rot in hard-linked outputs (a shard, a
+checkpoint's weights, an answer chunk), which DVC alone restores from its run cache and relinks onto
+rebuilt files, is repaired by `make repro`'s own commands; and a kill -9 during `dvc repro`:
+generate's answers resume, and the killed capture's staging folder, which DVC's run cache leaves
+behind when it serves the rerun, is gone after them. (The checks and the repair themselves, without
+DVC: tests/cli/test_verify.py.)"""
 
 import hashlib
 
+import pyarrow.parquet as pq
 import pytest
 from support.helpers import REPO_ROOT, flip_a_byte, run, set_params, start_then_kill_9
 
@@ -53,9 +55,8 @@ def test_make_repro_checks_the_cache_before_relinking():
     assert commands.index("dflash-pipeline verify --repair") < len(commands) - 2 and commands[-2] == "dvc repro"
 
 
-def test_bit_rot_in_hard_linked_outputs_is_repaired_by_make_repro(tiny_pipeline):
-    repo = tiny_pipeline
-    dvc(repo, "repro")
+def test_bit_rot_in_hard_linked_outputs_is_repaired_by_make_repro(reproduced_tiny_pipeline):
+    repo = reproduced_tiny_pipeline  # a copy of the run, its outputs still hard links into its cache
     shard = repo / "data" / "hidden" / "train" / "shard-00000.arrow"
     weights = repo / "data" / "checkpoints" / "step_000004" / "model.safetensors"  # the last of max_steps 4, save_every 2
     chunk = repo / "data" / "generated" / "chunks" / "chunk-00000.parquet"  # generate's resume cache: it was reused as it was
@@ -85,10 +86,22 @@ def test_bit_rot_in_hard_linked_outputs_is_repaired_by_make_repro(tiny_pipeline)
     assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
 
 
-def test_a_killed_capture_then_a_cached_rerun_leaves_no_staging_folder(tiny_pipeline):
+def test_kill_9_during_dvc_repro_resumes_and_make_repro_clears_the_staging_folder_dvc_leaves(tiny_pipeline):
+    """The one kill -9 under DVC (each stage's own kill and resume: tests/<stage>/): generate's answered
+    prompts survive DVC's rerun (its chunks are a persisted output), and a killed capture's staging
+    folder, which DVC's run cache leaves behind when it serves the rerun, is gone after `make repro`."""
     repo = tiny_pipeline
-    set_params(repo, generate={"max_prompts": 38})
-    dvc(repo, "repro", "capture")  # DVC's run cache now holds capture with these settings
+    set_params(repo, generate={"max_prompts": 38, "batch_size": 1, "max_new_tokens": 24})
+    dvc(repo, "repro", "target")
+    chunks = repo / "data" / "generated" / "chunks"
+    start_then_kill_9(["dvc", "repro", "capture"], repo, lambda: len(list(chunks.glob("chunk-*.parquet"))) >= 3, process_group=True)
+    written = len(list(chunks.glob("chunk-*.parquet")))
+    assert 3 <= written < 38
+    resumed = dvc(repo, "repro", "capture")  # DVC's run cache now holds capture with these settings
+    assert f"resuming, {written} of 38 prompts already answered" in resumed.stdout
+    rows = [r for s in ("train", "val") for r in pq.read_table(repo / "data" / "generated" / f"{s}.parquet").to_pylist()]
+    assert len(rows) == len({r["prompt_id"] for r in rows}) == 38
+
     staging = repo / "data" / "hidden.partial"
     set_params(repo, capture={"batch_tokens": 64})  # other settings, many small batches: a run long enough to kill
     start_then_kill_9(["dvc", "repro", "capture"], repo, lambda: (staging / "train").is_dir(), process_group=True)

@@ -24,11 +24,8 @@ def _outs(repo) -> dict[str, str]:
     return {out["path"]: out["md5"] for stage in lock.values() for out in stage.get("outs", [])}
 
 
-def test_an_experiment_with_two_processes_runs_the_stages_under_torchrun_with_the_same_results(tiny_pipeline):
-    repo = tiny_pipeline
-    dvc(repo, "repro")
-    run(["git", "add", "-A"], repo)
-    run(["git", "commit", "-qm", "one process"], repo)
+def test_an_experiment_with_two_processes_runs_the_stages_under_torchrun_with_the_same_results(reproduced_tiny_pipeline):
+    repo = reproduced_tiny_pipeline  # one process's run, committed
     before, loss_before = _outs(repo), json.loads((repo / "data" / "metrics" / "train.json").read_text())["loss"]
     tau_before = json.loads((repo / "data" / "metrics" / "eval.json").read_text())["teacher_forced"]["tau"]
 

@@ -34,11 +34,8 @@ def queue_is_done(repo) -> bool:
     return not any(word in status for word in ("Queued", "Running"))
 
 
-def test_two_queued_experiments_run_and_both_show_params_and_metrics(tiny_pipeline):
-    repo = tiny_pipeline
-    dvc(repo, "repro")
-    run(["git", "add", "-A"], repo)
-    run(["git", "commit", "-qm", "baseline run"], repo)
+def test_two_queued_experiments_run_and_both_show_params_and_metrics(reproduced_tiny_pipeline):
+    repo = reproduced_tiny_pipeline  # the baseline run, committed
     baseline_loss = json.loads((repo / "data" / "metrics" / "train.json").read_text())["loss"]
 
     sweep = {"lr-high": "0.01", "lr-low": "0.0005"}

@@ -91,11 +91,10 @@ def dvc(repo: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
     return result
 
 
-def test_a_pushed_run_pulled_into_a_fresh_clone_needs_no_recompute(tiny_pipeline, s3_endpoint, tmp_path):
-    repo = tiny_pipeline
+def test_a_pushed_run_pulled_into_a_fresh_clone_needs_no_recompute(reproduced_tiny_pipeline, s3_endpoint, tmp_path):
+    repo = reproduced_tiny_pipeline  # the tiny run, committed
     env = team_env(tmp_path)
-    first = dvc(repo, "repro", env=env)
-    assert "Running stage 'export'" in first.stdout
+    assert dvc(repo, "status", env=env).stdout.strip().endswith("Data and pipelines are up to date.")
 
     # The team's remote: its URL is committed, its endpoint stays local, its credentials stay in the environment.
     dvc(repo, "remote", "add", "-d", "team", f"s3://{BUCKET}/runs", env=env)
@@ -135,14 +134,13 @@ def cache_files(repo: Path) -> list[Path]:
     return [path for path in (repo / ".dvc" / "cache" / "files" / "md5").rglob("*") if path.is_file()]
 
 
-def test_the_committed_link_type_stores_each_output_once_and_protects_the_cache(tiny_pipeline):
+def test_the_committed_link_type_stores_each_output_once_and_protects_the_cache(reproduced_tiny_pipeline):
     """`.dvc/config` puts hardlink first: a freshly committed output becomes a read-only hard link to
     its cache file (one copy on disk, not two). Rerunning stages, one whose output DVC deletes first
     (capture) and one whose persisted output it unprotects (train resumes from its checkpoints),
     leaves every cache file equal to its hash: the writers replace files by rename, never in place."""
-    repo = tiny_pipeline
+    repo = reproduced_tiny_pipeline  # a copy of the run as `dvc repro` left it (cp -a keeps its hard links)
     env = stage_env()
-    dvc(repo, "repro", env=env)
     cached = {path.stat().st_ino: path for path in cache_files(repo)}
     outputs = [path for name in ("data/hidden", "data/checkpoints", "data/eval") for path in (repo / name).rglob("*") if path.is_file()]
     assert len(outputs) > 10

@@ -1,4 +1,5 @@
-"""The pipeline as users drive it: real `dvc repro` in a fresh git repo on the tiny target."""
+"""The pipeline as users drive it: real `dvc repro` in a fresh git repo on the tiny target. (A kill -9
+during `dvc repro`, and what DVC leaves after it: tests/integrity/test_checks.py.)"""
 
 import csv
 import json
@@ -11,7 +12,6 @@ from support.helpers import (
     SAMPLE_PROMPTS,
     run,
     set_params,
-    start_then_kill_9,
     strict_json_load,
     write_jsonl,
 )
@@ -25,9 +25,9 @@ def dvc(repo, *args, check=True):
     return run(["dvc", *args], cwd=repo, check=check)
 
 
-def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
-    repo = tiny_pipeline
-    first = dvc(repo, "repro")
+def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline_reproduced_once, reproduced_tiny_pipeline):
+    # The session's one run from nothing (every other DVC test starts from a copy of it), then its copy.
+    first, repo = tiny_pipeline_reproduced_once.first_repro, reproduced_tiny_pipeline
     for stage in ("target", "generate", "capture", "train", "evaluate", "export"):
         assert f"Running stage '{stage}'" in first.stdout
     train = pq.read_table(repo / "data" / "generated" / "train.parquet")
@@ -37,8 +37,7 @@ def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
     assert target["num_layers"] == 4
     shards = open_split(repo / "data" / "hidden" / "train", expected_fingerprint=target["fingerprint"])
     assert len(shards) == train.num_rows and shards.manifest.layer_ids == [1, 3]
-    run(["git", "add", "-A"], repo)
-    run(["git", "commit", "-qm", "first run"], repo)
+    assert run(["git", "status", "--porcelain"], repo).stdout == ""  # the run is committed
 
     second = dvc(repo, "repro")
     assert "Running stage" not in second.stdout
@@ -69,9 +68,8 @@ def test_repro_runs_stages_then_only_what_is_stale(tiny_pipeline):
     assert json.loads((repo / "data" / "metrics" / "capture.json").read_text())["train"]["seconds"] > 0
 
 
-def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
-    repo = tiny_pipeline
-    dvc(repo, "repro")
+def test_a_changed_target_makes_generate_stale(reproduced_tiny_pipeline, tiny_qwen3_dir):
+    repo = reproduced_tiny_pipeline
     set_params(repo, target={"model": str(tiny_qwen3_dir), "watch": str(tiny_qwen3_dir)})
     again = dvc(repo, "repro")
     for stage in ("target", "generate", "capture"):
@@ -98,21 +96,6 @@ def test_a_changed_target_makes_generate_stale(tiny_pipeline, tiny_qwen3_dir):
     assert "on the static-kv engine" in result.output and result.output.strip().endswith("identical answers"), result.output
 
 
-def test_kill_9_during_dvc_repro_then_repro_resumes(tiny_pipeline):
-    repo = tiny_pipeline
-    set_params(repo, generate={"max_prompts": 38, "batch_size": 1, "max_new_tokens": 24})
-    dvc(repo, "repro", "target")
-    chunks = repo / "data" / "generated" / "chunks"
-    start_then_kill_9(["dvc", "repro"], repo, lambda: len(list(chunks.glob("chunk-*.parquet"))) >= 3, process_group=True)
-    written = len(list(chunks.glob("chunk-*.parquet")))
-    assert 3 <= written < 38
-
-    resumed = dvc(repo, "repro")
-    assert f"resuming, {written} of 38 prompts already answered" in resumed.stdout
-    rows = [r for s in ("train", "val") for r in pq.read_table(repo / "data" / "generated" / f"{s}.parquet").to_pylist()]
-    assert len(rows) == len({r["prompt_id"] for r in rows}) == 38
-
-
 def test_bad_param_fails_the_stage_with_the_key(tiny_pipeline):
     repo = tiny_pipeline
     params = repo / "params.yaml"
@@ -122,11 +105,8 @@ def test_bad_param_fails_the_stage_with_the_key(tiny_pipeline):
     assert "error: params.yaml: unknown key 'generate.batch_sise'" in result.stderr + result.stdout
 
 
-def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(tiny_pipeline):
-    repo = tiny_pipeline
-    dvc(repo, "repro")
-    run(["git", "add", "-A"], repo)
-    run(["git", "commit", "-qm", "baseline run"], repo)
+def test_an_experiment_reruns_only_stale_stages_and_metrics_diff_shows_it(reproduced_tiny_pipeline):
+    repo = reproduced_tiny_pipeline  # the baseline run, committed
     baseline_eval = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
     details = json.loads((repo / "data" / "eval" / "details.json").read_text())
     assert {"tau", "tau_ci95", "blocks", "prompts"} <= set(baseline_eval["teacher_forced"])

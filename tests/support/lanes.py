@@ -11,7 +11,8 @@ import pytest
 # `make test-fast` deselects the markers `slow`, `dvc` and `subprocess` (pyproject.toml). A test that
 # drives DVC or spawns a process through the helpers below without its marker would slip into the
 # fast lane, so it fails, naming the marker. The markers a test may carry for each:
-LANE_FIXTURES = {"pipeline_repo": ("dvc",), "tiny_pipeline": ("dvc",)}
+LANE_FIXTURES = {"pipeline_repo": ("dvc",), "tiny_pipeline": ("dvc",), "reproduced_tiny_pipeline": ("dvc",),
+                 "tiny_pipeline_reproduced_once": ("dvc",)}
 
 DVC_MARKERS = ("dvc",)
 
