@@ -1,4 +1,4 @@
-"""The docs stay true: docs/results.md is what docs/build_results.py writes from the committed results,
+"""The docs stay true: docs/results.md is what tools/build_results.py writes from the committed results,
 the README is short with a working contents list, every relative link in README.md and docs/*.md
 resolves (files and heading anchors), and tables of numbers live only in the generated page."""
 
@@ -18,7 +18,7 @@ TYPED_HISTORY = "<!-- typed history"
 
 
 def load_builder():
-    spec = importlib.util.spec_from_file_location("build_results", REPO_ROOT / "docs" / "build_results.py")
+    spec = importlib.util.spec_from_file_location("build_results", REPO_ROOT / "tools" / "build_results.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,7 +50,7 @@ def anchors(path: Path, slug) -> set[str]:
 
 def test_results_md_is_what_the_builder_writes(builder, capsys):
     assert builder.main(["--check"]) == 0, (
-        "docs/results.md is stale: run `python docs/build_results.py` and commit it\n" + capsys.readouterr().out)
+        "docs/results.md is stale: run `python tools/build_results.py` and commit it\n" + capsys.readouterr().out)
 
 
 def test_the_check_fails_on_a_stale_page_and_names_the_fix(builder, tmp_path, monkeypatch, capsys):
@@ -58,7 +58,7 @@ def test_the_check_fails_on_a_stale_page_and_names_the_fix(builder, tmp_path, mo
     stale.write_text(builder.build().replace("| step_0", "| step_9", 1).replace("1.", "9.", 1))
     monkeypatch.setattr(builder, "OUT", stale)
     assert builder.main(["--check"]) == 1
-    assert "python docs/build_results.py" in capsys.readouterr().err
+    assert "python tools/build_results.py" in capsys.readouterr().err
     monkeypatch.setattr(builder, "OUT", tmp_path / "missing.md")
     assert builder.main(["--check"]) == 1
 
@@ -183,7 +183,7 @@ def test_tables_of_numbers_are_generated_not_typed(page):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if any(NUMBER_CELL.match(c) for c in cells):
             typed.append(f"line {i + 1}: {line[:80]}")
-    assert not typed, f"{page.name}: hand-typed numbers in a table (generate it in docs/build_results.py): {typed}"
+    assert not typed, f"{page.name}: hand-typed numbers in a table (generate it in tools/build_results.py): {typed}"
 
 
 # ----------------------------------------------------------------------------- the README's two commands, in order
@@ -200,14 +200,14 @@ def test_a_pipeline_run_in_the_workspace_leaves_the_docs_check_passing(tiny_pipe
     repo = tiny_pipeline
     for name in ("README.md", "dvc.lock"):
         shutil.copy(REPO_ROOT / name, repo / name)
-    for folder in ("docs", "bench/results", "data/metrics", "data/plots"):
+    for folder in ("docs", "tools", "bench/results", "data/metrics", "data/plots"):
         shutil.copytree(REPO_ROOT / folder, repo / folder, dirs_exist_ok=True)
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "the committed run"], repo)
 
     run(["dvc", "repro"], repo)
     assert json.loads((repo / "data" / "metrics" / "eval.json").read_text())["chosen"]["name"] == "step_000004"
-    run(["python", "docs/build_results.py", "--check"], repo)
-    run(["python", "docs/build_results.py", "--workspace"], repo)
+    run(["python", "tools/build_results.py", "--check"], repo)
+    run(["python", "tools/build_results.py", "--workspace"], repo)
     page = (repo / "docs" / "results.md").read_text()
     assert "| step_000004 |" in page and "| 4 |" in page
