@@ -68,7 +68,7 @@ def decoding_engine(model) -> str:
     static KV step on every device (`decoding.static_decoder`), replayed as a CUDA graph on a GPU
     (where transformers' own loop spent ~50 ms of host work per step) and attending over the
     written columns only on a CPU (where it measured 1.09x transformers' loop, identical answers:
-    bench/generate.py --engines, retired after 6dfc1ff). A target it cannot serve is refused in one line
+    bench/generate.py --engines). A target it cannot serve is refused in one line
     (`static_decoder.check_servable`), never sent down another path."""
     from dflash_pipeline.decoding.loop import engine_name
 
