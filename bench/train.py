@@ -49,6 +49,14 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
     return seconds, sum(row["context_tokens"] for row in rows), sum(row["trained_positions"] for row in rows), drafter
 
 
+def in_memory_copy(sample):
+    """`sample` with every tensor copied out of the mapped shard (the distillation targets too)."""
+    from dataclasses import fields
+
+    copied = {field.name: getattr(sample, field.name) for field in fields(sample)}
+    return type(sample)(**{name: value.clone() if hasattr(value, "clone") else value for name, value in copied.items()})
+
+
 @click.command()
 @click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
@@ -63,7 +71,7 @@ def main(hidden, target_json, steps, rounds, device):
     from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.drafters.flops import count_parameters, training_flops
-    from dflash_pipeline.data.shards import Sample, open_split
+    from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import TargetInfo, load_target_head
     from dflash_pipeline.train.loss import TrainingVocabulary
     from dflash_pipeline.drafters.build import drafter_config_for
@@ -87,8 +95,7 @@ def main(hidden, target_json, steps, rounds, device):
         vocabulary = TrainingVocabulary.full(head)
     attention = config.attention if config.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
     needed = sorted({i for step in plan for i in step})
-    in_memory = {i: Sample(s.sequence_id, s.input_ids.clone(), s.loss_mask.clone(), s.target_next.clone(), s.features.clone())
-                 for i, s in ((i, dataset[i]) for i in needed)}
+    in_memory = {i: in_memory_copy(dataset[i]) for i in needed}
     print(f"{steps} steps of ~{config.tokens_per_step} context tokens, {config.anchors_per_sequence} anchors/sequence, block "
           f"{config.block_size}, {config.num_layers} layer(s) ({count_parameters(initial) / 1e6:.1f}M params), softmax over "
           f"{vocabulary.head_rows.shape[0]} tokens, {attention} attention, {device}, torch threads {torch.get_num_threads()}")
