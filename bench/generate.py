@@ -1,6 +1,7 @@
 """Benchmark: batched greedy generation vs one prompt at a time, on the default target.
 
     python bench/generate.py [--batch 64] [--single-prompts 4] [--max-new-tokens 64]
+    python bench/generate.py --dry-run      # the tiny random target, 4 prompts x 4 tokens (tests/bench/test_dry_runs.py)
 
 Needs the `target` stage's output (dvc repro target). Both settings run in this one process on
 the same prompts (the first --batch prompts of the default set; batch 1 runs the first
@@ -9,11 +10,15 @@ Generated tokens are counted as produced: rows that stop at EOS leave the batch.
 """
 
 import os
+import sys
 from pathlib import Path
 
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.toy import REPO_ROOT, dry_run_options, toy_run  # noqa: E402
 
 
 def _throughput(model, prompts, *, batch_size, max_new_tokens, eos_ids, pad_id):
@@ -36,13 +41,17 @@ def _throughput(model, prompts, *, batch_size, max_new_tokens, eos_ids, pad_id):
 @click.option("--single-prompts", default=4, show_default=True, help="Prompts decoded one at a time.")
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--rounds", default=1, show_default=True, help="Alternating rounds of (batch 1, batched).")
-def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, rounds):
+@dry_run_options
+def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, rounds, dry_run, work):
     import torch
 
     from dflash_pipeline.generate.run import render_prompt
     from dflash_pipeline.data.prompts import read_prompts
     from dflash_pipeline.target.load import TargetInfo, load_target
 
+    if dry_run:
+        target_json, prompts_path = toy_run(work, upto="target").target_json, REPO_ROOT / "data" / "prompts" / "default.jsonl"
+        batch_size, single_prompts, max_new_tokens, rounds = 4, 2, 4, 1
     info = TargetInfo.from_json(target_json)
     model, tokenizer = load_target(info, device="cpu")
     prompt_set = read_prompts(prompts_path, val_fraction=0.1, limit=batch_size)

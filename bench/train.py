@@ -1,6 +1,7 @@
 """Benchmark: a training step fed by the shard loader vs the same step on samples already in memory.
 
     python bench/train.py [--steps 12] [--rounds 2]
+    python bench/train.py --dry-run      # toy shards of the tiny random target, 2 steps (tests/bench/test_dry_runs.py)
 
 Needs the `capture` stage's shards. Both variants run the same steps (same sequences, anchors,
 drafter initialisation and recipe from params.yaml) in this one process, alternating round by
@@ -10,12 +11,16 @@ for the run (`open_split`), or tensors copied into memory beforehand. Prints the
 """
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.toy import REPO_ROOT, TOY_TRAIN, dry_run_options, toy_run  # noqa: E402
 
 
 class _Source:
@@ -63,7 +68,8 @@ def in_memory_copy(sample):
 @click.option("--steps", default=12, show_default=True)
 @click.option("--rounds", default=2, show_default=True)
 @click.option("--device", default=None)
-def main(hidden, target_json, steps, rounds, device):
+@dry_run_options
+def main(hidden, target_json, steps, rounds, device, dry_run, work):
     import torch
 
     from dflash_pipeline.train.loss import default_gamma
@@ -77,8 +83,11 @@ def main(hidden, target_json, steps, rounds, device):
     from dflash_pipeline.drafters.build import drafter_config_for
     from dflash_pipeline.train.schedule import plan_steps
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = load_params("params.yaml").train
+    device = device or ("cuda" if torch.cuda.is_available() and not dry_run else "cpu")
+    config = load_params(REPO_ROOT / "params.yaml").train
+    if dry_run:
+        toy = toy_run(work, upto="hidden")
+        hidden, target_json, steps, rounds, config = toy.hidden, toy.target_json, 2, 1, replace(config, **TOY_TRAIN)
     target = TargetInfo.from_json(target_json)
     dataset = open_split(hidden / "train", expected_fingerprint=target.fingerprint)
     plan = plan_steps(dataset.lengths(), tokens_per_step=config.tokens_per_step, max_steps=steps, seed=config.seed)

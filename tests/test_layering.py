@@ -14,6 +14,7 @@ from tools.import_graph import (
     package_imports,
     package_modules,
     stage_deps,
+    tree_graph,
     wings,
 )
 
@@ -70,6 +71,28 @@ def test_the_checks_see_an_upward_import_a_sideways_one_and_a_cycle():
     graph = {"data": {"drafters"}, "train": {"evaluate", "measure"}, "measure": {"decoding"}}
     assert upward_imports(graph, layers) == ["data -> drafters", "train -> evaluate"]
     assert cycles({"drafters": {"decoding"}, "decoding": {"drafters"}, "data": {"foundation"}}) == [["decoding", "drafters", "decoding"]]
+
+
+def test_no_import_circle_anywhere_in_the_tree():
+    """Module by module, function-level imports included: a circle between two bench files (one
+    importing the other's toy data, the other its figures) is as much a circle as one in src/."""
+    circles = [" -> ".join(circle) for circle in cycles(tree_graph())]
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_tree_graph_sees_function_level_sibling_and_relative_imports(tmp_path):
+    (tmp_path / "bench" / "gpu").mkdir(parents=True)
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "toy.py").write_text("def main():\n    from bench.gpu.figures import table\n")
+    (tmp_path / "bench" / "gpu" / "__init__.py").write_text("from . import figures\n")
+    (tmp_path / "bench" / "gpu" / "figures.py").write_text("def f():\n    import probe\n")  # run as a script: its folder first
+    (tmp_path / "bench" / "gpu" / "probe.py").write_text("from bench.toy import main\nfrom ..toy import main\n")
+    (tmp_path / "tools" / "report.py").write_text("import json\nfrom bench import toy\n")
+    graph = tree_graph(tmp_path, {"bench": ".", "tools": "."})
+    assert graph == {"bench": set(), "bench.toy": {"bench.gpu.figures"}, "bench.gpu": {"bench.gpu.figures"},
+                     "bench.gpu.figures": {"bench.gpu.probe"}, "bench.gpu.probe": {"bench.toy"}, "tools.report": {"bench.toy"}}
+    assert cycles(graph) == [["bench.gpu.figures", "bench.gpu.probe", "bench.toy", "bench.gpu.figures"]]
 
 
 LAUNCHER = "stages/launch.py"

@@ -187,7 +187,7 @@ COMMITTED = [
 ]
 
 STUDY = "bench/results"
-EVALUATED = [  # the columns of a study row scored as `evaluate` scores (bench/train_study.py)
+EVALUATED = [  # the columns of a study row scored as `evaluate` scores (bench/studies/train_study.py)
     ("τ (evaluate)", TAU, PM3),
     ("vs first recipe, paired", ("tau_vs_first", "tau_vs_first_ci95"), PAIRED),
     ("DDTree-8", "ddtree8_streak", F3),
@@ -220,7 +220,7 @@ STUDIES = [
     ], rows="*", note="`default`: `selector_weight` 1, `selector_rank` 64."),
 ]
 
-COSTS = [  # bench/dvc_costs.py: 3 GiB of shards per row, seconds
+COSTS = [  # bench/studies/dvc_costs.py: 3 GiB of shards per row, seconds
     ("row", "name", "`{}`"), ("cache.type", "link_types", "`{}`"), ("files", "files", "{:,}"),
     ("workspace file", "workspace_link", "{}"), ("read-only", "read_only", yes_no),
     ("commit", "commit_s", F2), ("first hash", "first_hash_s", F2), ("no-op status", "noop_status_s", F2),
@@ -235,7 +235,7 @@ PROJECTION = [
 ]
 DVC_COSTS = [
     Table("What DVC costs on 3 GiB of shards (2026-12-03)", f"{STUDY}/dvc_costs.json", COSTS, rows="rows.*",
-          note="Seconds; `python bench/dvc_costs.py --gb 3`. The committed `.dvc/config` is `hardlink,copy` "
+          note="Seconds; `python bench/studies/dvc_costs.py --gb 3`. The committed `.dvc/config` is `hardlink,copy` "
                "with 256 MB shards."),
     Table("Projected to 1 and 10 TiB (2026-12-03)", f"{STUDY}/dvc_costs.json", PROJECTION, rows="projection.*"),
     Table("Rechecked the next day (2026-12-04)", f"{STUDY}/dvc_costs_recheck.json", COSTS, rows="rows.*"),
@@ -348,7 +348,7 @@ SCALE = [
             "`dvc repro` runs it (`stages/launch.py --processes N`), start-up and model load included, best of the rounds; "
             "the stage's tokens/s is its own count over its own seconds (capture: both splits). Machine, sizes and whether each "
             "way wrote the bytes of one process with one thread: the JSON file."),
-    Table("What a run costs at scale: a model, not a measurement (bench/scale_costs.py)", f"{STUDY}/scale_costs.json", [
+    Table("What a run costs at scale: a model, not a measurement (bench/studies/scale_costs.py)", f"{STUDY}/scale_costs.json", [
         ("target", "target", "{}"), ("prompts", "prompts", "{:,}"), ("generate GPU-h", "generate_gpu_hours", "{:,.1f}"),
         ("capture GPU-h", "capture_gpu_hours", "{:,.1f}"), ("capture bound by", "capture_bound", "{}"),
         ("train GPU-h (6 epochs)", "train_gpu_hours", "{:,.1f}"), ("8-GPU node-hours", "node_hours_8_gpus", "{:,.1f}"),
@@ -361,9 +361,9 @@ SCALE = [
 
 SECTIONS = [
     ("The committed run", "`make repro` of the commit's code: its `data/metrics`, `data/plots` and `dvc.lock`.", COMMITTED),
-    ("Training studies", "`bench/train_study.py` and `bench/compute_curve.py`; what they showed is in "
+    ("Training studies", "`bench/studies/train_study.py` and `bench/studies/compute_curve.py`; what they showed is in "
                          "[studies.md](studies.md).", STUDIES),
-    ("What DVC costs", "`bench/dvc_costs.py`; what it showed is in [team-setup.md](team-setup.md#big-outputs-what-dvc-costs-and-the-cheap-defaults).",
+    ("What DVC costs", "`bench/studies/dvc_costs.py`; what it showed is in [team-setup.md](team-setup.md#big-outputs-what-dvc-costs-and-the-cheap-defaults).",
      DVC_COSTS),
     ("The GPU path's host work", "What a GPU train step and capture batch waited for, before and after issue #27, measured on a CPU; "
                                  "what changed is in [gpu.md](gpu.md#the-train-step-and-capture-without-host-waits).", HOST_PATHS),
