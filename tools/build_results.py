@@ -251,6 +251,10 @@ def retired(bench: str, compared: str) -> str:
             "as it ran.")
 
 
+HOST_PATHS_RETIRED = retired("bench/host_paths.py", "the code before issue #27, kept in tests/oracles")
+STATIC_ENGINE_RETIRED = retired("bench/static_engine.py", "the engine against the host loops it replaced")
+ENGINES_RETIRED = "`--engines` of " + retired("bench/generate.py", "the stage's loop against the transformers loop it replaced")
+
 HOST_PATHS = [
     Table("A GPU train step's host work, 16K context tokens, block 16 (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
         ("machine", "machine", "{}"), ("sequences", "train.sequences", "{}"), ("blocks", "train.blocks", INT),
@@ -258,12 +262,12 @@ HOST_PATHS = [
         ("per-anchor batch + mask ms", "train.per_anchor_with_dense_mask_ms", "{:.0f}"), ("vectorised ms", "train.vectorised_ms", "{:.1f}"),
         ("speedup", "train.speedup_batch_building", "{:.1f}x"), ("BlockMask from metadata ms", "train.block_mask_from_metadata_ms", "{:.1f}"),
         ("tensors equal", "train.tensors_equal", yes_no),
-    ], note=retired("bench/host_paths.py", "the code before issue #27, kept in tests/oracles")),
+    ], note=HOST_PATHS_RETIRED),
     Table("The capture writer (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
         ("tokens", "capture_writer.tokens", INT), ("element by element µs/token", "capture_writer.elementwise_us_per_token", F2),
         ("zero-copy, hashed while written µs/token", "capture_writer.zero_copy_us_per_token", F2),
         ("speedup", "capture_writer.speedup", "{:.2f}x"), ("same sha256", "capture_writer.same_sha256", yes_no),
-    ], note=retired("bench/host_paths.py", "the code before issue #27, kept in tests/oracles")),
+    ], note=HOST_PATHS_RETIRED),
     Table("The CPU stages against the commit before (bench/cpu_before_after.py)", f"{STUDY}/cpu_before_after.json", [
         ("machine", "machine", "{}"), ("baseline", "baseline", "`{}`"), ("sequences", "sequences", "{}"), ("rounds", "rounds", "{}"),
         ("capture tokens/s, now / before", "capture_tokens_per_s_ratio", F3), ("train ms/step, now / before", "train_step_time_ratio", F3),
@@ -287,22 +291,22 @@ STATIC_ENGINE = [
                "prompts x 64 tokens x 2 rounds, each (mode, prompt) on both loops back to back, alternating which goes first; the "
                "chain verifies all 3 drafted tokens (a slowdown on a CPU, see decoding.md). Each loop's speedup is over its own plain "
                "decoding. The host loop is transformers' forward with a DynamicCache. "
-               + retired("bench/static_engine.py", "the engine against the host loops it replaced")),
+               + STATIC_ENGINE_RETIRED),
     Table("The one engine: transformers' layers over the static cache (bench/static_engine.py, 2026-12-06)",
           f"{STUDY}/static_engine_after_36.json", STATIC_COLUMNS, rows="modes.*",
           note="The same bench, prompts and machine, run right after the one above. (An earlier table here, from the EPYC, compared "
                "the static step with itself: the bench's host side had called the dispatching functions; see gpu.md.) "
-               + retired("bench/static_engine.py", "the engine against the host loops it replaced")),
+               + STATIC_ENGINE_RETIRED),
     Table("Issue #36 part 2, before: the code before the host loops left the package (bench/static_engine.py at 46e3be4)",
           f"{STUDY}/static_engine_before_36b.json", STATIC_COLUMNS, rows="modes.*",
           note="The same bench, prompts and machine as above, each version's bench from its own checkout, one after the other on "
                "the quiet machine (2026-12-06); the host loop is the same code in both (moved to tests/oracles in part 2), so the "
                "static / host ratios compare the two engines. "
-               + retired("bench/static_engine.py", "the engine against the host loops it replaced")),
+               + STATIC_ENGINE_RETIRED),
     Table("Issue #36 part 2, after: one plain step, one loop, one graph runner (bench/static_engine.py)",
           f"{STUDY}/static_engine_after_36b.json", STATIC_COLUMNS, rows="modes.*",
           note="Run right after the table above. Plain decoding records no steps now (as the host loop), hence 8/8 same steps. "
-               + retired("bench/static_engine.py", "the engine against the host loops it replaced")),
+               + STATIC_ENGINE_RETIRED),
     Table("The step's forward: transformers' layers against hand-written Llama layers (bench/engine_forward.py)",
           f"{STUDY}/engine_forward_cpu.json", [
               ("batch", "@", "{}"), ("transformers ms/step", "transformers_ms_per_step", F2),
@@ -319,8 +323,7 @@ STATIC_ENGINE = [
               ("transformers tokens/s", "tokens_per_s.transformers", "{:.1f}"), ("static / transformers", "static_vs_transformers", F3),
               ("same answers", "answers_identical", yes_no),
           ], note="Batch 64 of the default prompts, 2 alternating rounds; the static step on a CPU attends over the written columns "
-                  "only and drops ended rows after every step. `--engines` of "
-                  + retired("bench/generate.py", "the stage's loop against the transformers loop it replaced")),
+                  "only and drops ended rows after every step. " + ENGINES_RETIRED),
     Table("The generate stage's loop before and after it became the engine's plain step (bench/generate.py --engines, issue #36)",
           f"{STUDY}/generate_engines_36b.json", [
               ("run", "run", "{}"), ("code", "code", "{}"), ("static tokens/s", "static_tokens_per_s", "{:.1f}"),
@@ -331,7 +334,7 @@ STATIC_ENGINE = [
                "rounds against tests/oracles' transformers loop, the same code in both), the four runs one after the other in the "
                "order listed. Mean static / transformers: 0.996 before, 0.972 after; the same version moved by 1.5-2.5% between its "
                "runs (and measured 1.093 on the same machine the day's first run), so the difference is within that spread. "
-               "`--engines` of " + retired("bench/generate.py", "the stage's loop against the transformers loop it replaced")),
+               + ENGINES_RETIRED),
 ]
 
 SCALE = [
