@@ -4,6 +4,7 @@
 # and for the edit-test loop and a first look:
 #   make test-fast  the unit lane: tests not marked slow, dvc or subprocess (pyproject.toml markers)
 #   make demo       every stage and the console command on the real target, ten prompts (.demo/)
+#   make bench      bench/generate.py on the target stage's output (bench/README.md: every bench, each with --dry-run)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(abspath $(VENV))/bin

@@ -1,6 +1,7 @@
 """Benchmark: capture cost, shard overhead, and reading shards vs one torch.save file per sample.
 
     python bench/capture.py [--sequences 64] [--rounds 2]
+    python bench/capture.py --dry-run      # the tiny random target, 8 fabricated sequences (tests/bench/test_dry_runs.py)
 
 Needs the `target` and `generate` stages' outputs (dvc repro generate). Everything is measured in
 this one process, side by side, on the default target and the first --sequences generated train
@@ -19,6 +20,7 @@ sequences:
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +28,9 @@ from pathlib import Path
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.toy import dry_run_options, toy_run  # noqa: E402
 
 
 def _plain_forward(model, batches, pad_id):
@@ -124,7 +129,8 @@ def _first_sample_seconds(read_first) -> float:
 @click.option("--sequences", "count", default=64, show_default=True)
 @click.option("--rounds", default=2, show_default=True)
 @click.option("--scratch", type=click.Path(path_type=Path), default=None, help="Scratch folder (default: a temp dir).")
-def main(target_json, generated, count, rounds, scratch):
+@dry_run_options
+def main(target_json, generated, count, rounds, scratch, dry_run, work):
     import torch
 
     from dflash_pipeline.capture.plan import load_sequences, plan_shards
@@ -134,6 +140,9 @@ def main(target_json, generated, count, rounds, scratch):
     from dflash_pipeline.data.shards import bytes_per_token, open_split
     from dflash_pipeline.target.load import TargetInfo, load_target
 
+    if dry_run:
+        toy = toy_run(work, upto="generated")
+        target_json, generated, count, rounds = toy.target_json, toy.generated / "train.parquet", 8, 1
     info = TargetInfo.from_json(target_json)
     model, tokenizer = load_target(info)
     device = next(model.parameters()).device

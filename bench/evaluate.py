@@ -1,6 +1,7 @@
 """Benchmark: batched teacher-forced evaluation vs a plain loop that drafts one block per forward.
 
     python bench/evaluate.py [--checkpoint data/checkpoints/step_001600] [--sequences 0]
+    python bench/evaluate.py --dry-run      # a toy checkpoint of the tiny random target (tests/bench/test_dry_runs.py)
 
 Needs the `capture` and `train` outputs. Three paths score the same blocks (same anchors, same
 DDTree budgets) of the val shards in this one process and must give identical numbers: a loop
@@ -13,15 +14,21 @@ benchmark checks that, then prints their times and ratios for:
   `evaluate.anchors_per_sequence` blocks.
 
 Then it splits the batched path's time into drafter forwards, the vocabulary head's matmul,
-and the top-k / log-sum-exp / tree scoring of its logits.
+and the top-k / log-sum-exp / tree scoring of its logits. The one-block loop is the reference the
+scorer is tested against (tests/oracles/scoring.py).
 """
 
 import os
+import sys
 from pathlib import Path
 
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]  # the checkout for `bench.*`, tests/ for `oracles`
+
+from bench.toy import dry_run_options, toy_run  # noqa: E402
 
 
 def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
@@ -63,22 +70,24 @@ def time_split(drafter, head, dataset, chosen, config, budgets) -> str:
 @click.option("--params", "params_path", type=click.Path(path_type=Path), default="params.yaml", show_default=True)
 @click.option("--sequences", default=0, show_default=True, help="Val prompts in the larger comparison (0 = all of them).")
 @click.option("--device", default=None, help="Default: cuda when present, else cpu. The head stays fp32 (TF32 off) so the paths can agree exactly.")
-def main(checkpoint, hidden, target_json, params_path, sequences, device):
+@dry_run_options
+def main(checkpoint, hidden, target_json, params_path, sequences, device, dry_run, work):
     import numpy as np
     import torch
 
     from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.foundation.devices import timed
     from dflash_pipeline.measure.scoring import score_teacher_forced
-    from decoding_setup import host_oracles
-
-    host_oracles()
     from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import TargetInfo
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.target.load import load_target_head
 
+    if dry_run:
+        toy = toy_run(work)
+        checkpoint, hidden, target_json, params_path, sequences, device = (toy.last_checkpoint, toy.hidden / "val", toy.target_json,
+                                                                           REPO_ROOT / "params.yaml", 2, "cpu")
     config = load_params(params_path).evaluate
     target = TargetInfo.from_json(target_json)
     checkpoint = checkpoint or list_checkpoints(Path("data/checkpoints"))[-1]

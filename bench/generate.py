@@ -1,25 +1,24 @@
-"""Benchmark: batched greedy generation vs one prompt at a time, on the default target; or, with
---engines, the static-KV decode loop vs transformers' forward at the same batch.
+"""Benchmark: batched greedy generation vs one prompt at a time, on the default target.
 
     python bench/generate.py [--batch 64] [--single-prompts 4] [--max-new-tokens 64]
-    python bench/generate.py --engines [--batch 64] [--max-new-tokens 256] [--rounds 2]
+    python bench/generate.py --dry-run      # the tiny random target, 4 prompts x 4 tokens (tests/bench/test_dry_runs.py)
 
 Needs the `target` stage's output (dvc repro target). Both settings run in this one process on
 the same prompts (the first --batch prompts of the default set; batch 1 runs the first
 --single-prompts of them), alternately, and the ratio of generated tokens per second is printed.
 Generated tokens are counted as produced: rows that stop at EOS leave the batch.
-
---engines runs `generate.static_greedy_generate` and tests/oracles' `dynamic_greedy_generate` on the
-same --batch prompts, alternating round by round, prints tokens/s and their ratio and whether the
-answers are identical, and writes bench/results/generate_engines.json.
 """
 
 import os
+import sys
 from pathlib import Path
 
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.toy import REPO_ROOT, dry_run_options, toy_run  # noqa: E402
 
 
 def _throughput(model, prompts, *, batch_size, max_new_tokens, eos_ids, pad_id):
@@ -42,14 +41,17 @@ def _throughput(model, prompts, *, batch_size, max_new_tokens, eos_ids, pad_id):
 @click.option("--single-prompts", default=4, show_default=True, help="Prompts decoded one at a time.")
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--rounds", default=1, show_default=True, help="Alternating rounds of (batch 1, batched).")
-@click.option("--engines", is_flag=True, help="Compare the static-KV loop with transformers' forward instead.")
-def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, rounds, engines):
+@dry_run_options
+def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, rounds, dry_run, work):
     import torch
 
     from dflash_pipeline.generate.run import render_prompt
     from dflash_pipeline.data.prompts import read_prompts
     from dflash_pipeline.target.load import TargetInfo, load_target
 
+    if dry_run:
+        target_json, prompts_path = toy_run(work, upto="target").target_json, REPO_ROOT / "data" / "prompts" / "default.jsonl"
+        batch_size, single_prompts, max_new_tokens, rounds = 4, 2, 4, 1
     info = TargetInfo.from_json(target_json)
     model, tokenizer = load_target(info, device="cpu")
     prompt_set = read_prompts(prompts_path, val_fraction=0.1, limit=batch_size)
@@ -57,8 +59,6 @@ def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, 
     eos_ids, pad_id = set(info.eos_token_ids), tokenizer.pad_token_id or 0
     print(f"target {info.architecture} ({info.num_layers} layers), torch threads {torch.get_num_threads()}, "
           f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, max_new_tokens {max_new_tokens}")
-    if engines:
-        return compare_engines(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, rounds=rounds)
     totals = {1: [0, 0.0], batch_size: [0, 0.0]}
     for round_index in range(rounds):
         for size, subset in ((1, prompts[:single_prompts]), (batch_size, prompts)):
@@ -69,42 +69,6 @@ def main(target_json, prompts_path, batch_size, single_prompts, max_new_tokens, 
     single = totals[1][0] / totals[1][1]
     batched = totals[batch_size][0] / totals[batch_size][1]
     print(f"batch 1: {single:.1f} tokens/s; batch {batch_size}: {batched:.1f} tokens/s; ratio {batched / single:.1f}x")
-
-
-def compare_engines(model, prompts, *, max_new_tokens, eos_ids, pad_id, rounds):
-    import json
-    import time
-
-    from dflash_pipeline.foundation.devices import machine_description, timed
-    from dflash_pipeline.generate.run import static_greedy_generate
-    from decoding_setup import host_oracles
-
-    host_oracles()
-    from oracles.generate import dynamic_greedy_generate
-
-    device = next(model.parameters()).device
-    engines = {"static KV": static_greedy_generate, "transformers": dynamic_greedy_generate}
-    totals = {name: [0, 0.0] for name in engines}
-    answers, rounds_seen = {}, []
-    for round_index in range(rounds):
-        for name, generate in engines.items():
-            result, seconds = timed(lambda: generate(model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id), device)
-            tokens = sum(len(answer.token_ids) for answer in result)
-            answers[name] = [answer.token_ids for answer in result]
-            totals[name][0] += tokens
-            totals[name][1] += seconds
-            rounds_seen.append({"round": round_index + 1, "engine": name, "tokens": tokens, "seconds": round(seconds, 2)})
-            print(f"round {round_index + 1}: {name:12s} {tokens:>6} tokens in {seconds:7.1f} s = {tokens / seconds:7.1f} tokens/s", flush=True)
-    rate = {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
-    identical = answers["static KV"] == answers["transformers"]
-    ratio = rate["static KV"] / rate["transformers"]
-    print(f"static KV / transformers tokens/s: {ratio:.3f}; answers identical: {identical}")
-    record = {"machine": machine_description(), "date": time.strftime("%Y-%m-%d"), "device": str(device), "prompts": len(prompts),
-              "max_new_tokens": max_new_tokens, "rounds": rounds, "tokens_per_s": {k: round(v, 1) for k, v in rate.items()},
-              "static_vs_transformers": round(ratio, 3), "answers_identical": identical, "rounds_seen": rounds_seen}
-    out = Path(__file__).resolve().parent / "results" / "generate_engines.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/speculative.py [--checkpoint data/checkpoints/step_001600] [--num-prompts 8] [--temperature 1.0]
                                 [--tree-budgets 4,8,16] [--device cuda]
+    python bench/speculative.py --dry-run      # a toy checkpoint of the tiny random target (tests/bench/test_dry_runs.py)
 
 The chosen drafter (data/eval/best.json) decodes the same val prompts in every mode, each against
 plain decoding in the same mode (greedy, or sampling at T with the same seed), alternating which
@@ -18,13 +19,15 @@ distribution is tests/speculation/test_sampling.py.
 """
 
 import os
+import sys
 from pathlib import Path
 
 import click
 
-from decoding_setup import decoding_options, load_decoding_setup
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.decoding_setup import decoding_options, load_decoding_setup  # noqa: E402
 
 
 @click.command()
@@ -32,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @click.option("--temperature", default=1.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--tree-budgets", default="4,8,16", show_default=True)
-def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, temperature, seed, tree_budgets):
+def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, temperature, seed, tree_budgets, dry_run, work):
     import numpy as np
     import torch
 
@@ -40,11 +43,12 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     from dflash_pipeline.foundation.files import read_json
     from dflash_pipeline.speculation.sampling import Sampling
 
-    setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
+    setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, dry_run=dry_run, work=work)
     checkpoint, session, drafter, model = setup.checkpoint, setup.session, setup.drafter, setup.model
     prompts, eos_ids, feature_dtype = setup.prompts, setup.eos_ids, setup.val_set.manifest.feature_dtype
-    metrics = Path("data/metrics/eval.json")
-    chosen_k = (read_json(metrics, missing="-").get("chain") or {}).get("verify_tokens") if metrics.is_file() else None
+    max_new_tokens, device, tree_budgets = setup.max_new_tokens, str(setup.model.device), "4" if dry_run else tree_budgets
+    metrics = Path("data/metrics/eval.json")  # the committed run's chosen verify length; a dry run has none
+    chosen_k = (read_json(metrics, missing="-").get("chain") or {}).get("verify_tokens") if metrics.is_file() and not dry_run else None
     block = drafter.config.block_size
 
     lengths = [block - 1] + ([chosen_k] if chosen_k and chosen_k != block - 1 else [])

@@ -1,6 +1,7 @@
 """Benchmark: a training step fed by the shard loader vs the same step on samples already in memory.
 
     python bench/train.py [--steps 12] [--rounds 2]
+    python bench/train.py --dry-run      # toy shards of the tiny random target, 2 steps (tests/bench/test_dry_runs.py)
 
 Needs the `capture` stage's shards. Both variants run the same steps (same sequences, anchors,
 drafter initialisation and recipe from params.yaml) in this one process, alternating round by
@@ -10,12 +11,16 @@ for the run (`open_split`), or tensors copied into memory beforehand. Prints the
 """
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.toy import REPO_ROOT, TOY_TRAIN, dry_run_options, toy_run  # noqa: E402
 
 
 class _Source:
@@ -49,13 +54,22 @@ def _run(sample, plan, config, drafter_state, head, vocabulary, mask_token_id, g
     return seconds, sum(row["context_tokens"] for row in rows), sum(row["trained_positions"] for row in rows), drafter
 
 
+def in_memory_copy(sample):
+    """`sample` with every tensor copied out of the mapped shard (the distillation targets too)."""
+    from dataclasses import fields
+
+    copied = {field.name: getattr(sample, field.name) for field in fields(sample)}
+    return type(sample)(**{name: value.clone() if hasattr(value, "clone") else value for name, value in copied.items()})
+
+
 @click.command()
 @click.option("--hidden", type=click.Path(path_type=Path), default="data/hidden", show_default=True)
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--steps", default=12, show_default=True)
 @click.option("--rounds", default=2, show_default=True)
 @click.option("--device", default=None)
-def main(hidden, target_json, steps, rounds, device):
+@dry_run_options
+def main(hidden, target_json, steps, rounds, device, dry_run, work):
     import torch
 
     from dflash_pipeline.train.loss import default_gamma
@@ -63,14 +77,17 @@ def main(hidden, target_json, steps, rounds, device):
     from dflash_pipeline.foundation.config import load_params
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.drafters.flops import count_parameters, training_flops
-    from dflash_pipeline.data.shards import Sample, open_split
+    from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import TargetInfo, load_target_head
     from dflash_pipeline.train.loss import TrainingVocabulary
     from dflash_pipeline.drafters.build import drafter_config_for
     from dflash_pipeline.train.schedule import plan_steps
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = load_params("params.yaml").train
+    device = device or ("cuda" if torch.cuda.is_available() and not dry_run else "cpu")
+    config = load_params(REPO_ROOT / "params.yaml").train
+    if dry_run:
+        toy = toy_run(work, upto="hidden")
+        hidden, target_json, steps, rounds, config = toy.hidden, toy.target_json, 2, 1, replace(config, **TOY_TRAIN)
     target = TargetInfo.from_json(target_json)
     dataset = open_split(hidden / "train", expected_fingerprint=target.fingerprint)
     plan = plan_steps(dataset.lengths(), tokens_per_step=config.tokens_per_step, max_steps=steps, seed=config.seed)
@@ -87,8 +104,7 @@ def main(hidden, target_json, steps, rounds, device):
         vocabulary = TrainingVocabulary.full(head)
     attention = config.attention if config.attention != "auto" else ("flex" if device.startswith("cuda") else "sdpa")
     needed = sorted({i for step in plan for i in step})
-    in_memory = {i: Sample(s.sequence_id, s.input_ids.clone(), s.loss_mask.clone(), s.target_next.clone(), s.features.clone())
-                 for i, s in ((i, dataset[i]) for i in needed)}
+    in_memory = {i: in_memory_copy(dataset[i]) for i in needed}
     print(f"{steps} steps of ~{config.tokens_per_step} context tokens, {config.anchors_per_sequence} anchors/sequence, block "
           f"{config.block_size}, {config.num_layers} layer(s) ({count_parameters(initial) / 1e6:.1f}M params), softmax over "
           f"{vocabulary.head_rows.shape[0]} tokens, {attention} attention, {device}, torch threads {torch.get_num_threads()}")

@@ -1,6 +1,7 @@
 """How many drafted tokens to verify per step: every length side by side, and the one evaluate picks.
 
     python bench/verify_length.py [--checkpoint data/checkpoints/step_001600] [--num-prompts 8]
+    python bench/verify_length.py --dry-run      # a toy checkpoint of the tiny random target (tests/bench/test_dry_runs.py)
 
 One drafter (default: the chosen checkpoint of `data/eval/best.json`) decodes the same val
 prompts verifying k = 1 .. B-1 drafted tokens per step, all in one process against one plain
@@ -11,17 +12,21 @@ acceptance, as `evaluate` does.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import click
 
-from decoding_setup import decoding_options, load_decoding_setup
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.decoding_setup import decoding_options, load_decoding_setup  # noqa: E402
 
 
 @click.command()
 @decoding_options
-def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device):
+def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, dry_run, work):
     import torch
 
     from dflash_pipeline.foundation.config import load_params
@@ -29,10 +34,10 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     from dflash_pipeline.measure.end_to_end import end_to_end, summarize_end_to_end
     from dflash_pipeline.measure.scoring import per_slot_acceptance, score_teacher_forced
 
-    setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, device)
+    setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, dry_run=dry_run, work=work)
     checkpoint, drafter, head, model, val_set = setup.checkpoint, setup.drafter, setup.head, setup.model, setup.val_set
-    prompts, eos_ids = setup.prompts, setup.eos_ids
-    config = load_params("params.yaml").evaluate
+    prompts, eos_ids, max_new_tokens = setup.prompts, setup.eos_ids, setup.max_new_tokens
+    config = load_params(REPO_ROOT / "params.yaml").evaluate
     scores = score_teacher_forced(drafter, head, val_set, anchors_per_sequence=config.anchors_per_sequence,
                                   tokens_per_batch=config.tokens_per_batch, tree_budgets=[], seed=config.seed)
     _, conditional = per_slot_acceptance(scores)

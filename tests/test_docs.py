@@ -1,4 +1,4 @@
-"""The docs stay true: docs/results.md is what docs/build_results.py writes from the committed results,
+"""The docs stay true: docs/results.md is what tools/build_results.py writes from the committed results,
 the README is short with a working contents list, every relative link in README.md and docs/*.md
 resolves (files and heading anchors), and tables of numbers live only in the generated page."""
 
@@ -18,7 +18,7 @@ TYPED_HISTORY = "<!-- typed history"
 
 
 def load_builder():
-    spec = importlib.util.spec_from_file_location("build_results", REPO_ROOT / "docs" / "build_results.py")
+    spec = importlib.util.spec_from_file_location("build_results", REPO_ROOT / "tools" / "build_results.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,7 +50,7 @@ def anchors(path: Path, slug) -> set[str]:
 
 def test_results_md_is_what_the_builder_writes(builder, capsys):
     assert builder.main(["--check"]) == 0, (
-        "docs/results.md is stale: run `python docs/build_results.py` and commit it\n" + capsys.readouterr().out)
+        "docs/results.md is stale: run `python tools/build_results.py` and commit it\n" + capsys.readouterr().out)
 
 
 def test_the_check_fails_on_a_stale_page_and_names_the_fix(builder, tmp_path, monkeypatch, capsys):
@@ -58,7 +58,7 @@ def test_the_check_fails_on_a_stale_page_and_names_the_fix(builder, tmp_path, mo
     stale.write_text(builder.build().replace("| step_0", "| step_9", 1).replace("1.", "9.", 1))
     monkeypatch.setattr(builder, "OUT", stale)
     assert builder.main(["--check"]) == 1
-    assert "python docs/build_results.py" in capsys.readouterr().err
+    assert "python tools/build_results.py" in capsys.readouterr().err
     monkeypatch.setattr(builder, "OUT", tmp_path / "missing.md")
     assert builder.main(["--check"]) == 1
 
@@ -183,14 +183,14 @@ def test_tables_of_numbers_are_generated_not_typed(page):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if any(NUMBER_CELL.match(c) for c in cells):
             typed.append(f"line {i + 1}: {line[:80]}")
-    assert not typed, f"{page.name}: hand-typed numbers in a table (generate it in docs/build_results.py): {typed}"
+    assert not typed, f"{page.name}: hand-typed numbers in a table (generate it in tools/build_results.py): {typed}"
 
 
 # ----------------------------------------------------------------------------- the README's two commands, in order
 
 # What a run rewrites in the workspace, and what the docs check reads of it from the committed files.
 RUN_FILES = ("dvc.lock", "data/metrics", "data/plots")
-COMMITTED_RUN = ("README.md", "docs", "bench/results", *RUN_FILES)
+COMMITTED_RUN = ("README.md", "docs", "tools", "bench/results", *RUN_FILES)
 
 
 def files_under(repo: Path, paths) -> dict[str, bytes]:
@@ -258,7 +258,7 @@ def test_a_pipeline_run_in_the_workspace_leaves_the_docs_check_passing(reproduce
     assert run(["dvc", "status"], repo).stdout.strip().endswith("Data and pipelines are up to date.")
     assert run(["git", "status", "--porcelain"], repo).stdout.strip()  # ... and it differs from the committed run
 
-    run(["python", "docs/build_results.py", "--check"], repo)
-    run(["python", "docs/build_results.py", "--workspace"], repo)
+    run(["python", "tools/build_results.py", "--check"], repo)
+    run(["python", "tools/build_results.py", "--workspace"], repo)
     page = (repo / "docs" / "results.md").read_text()
     assert "| step_000004 |" in page and "| 4 |" in page

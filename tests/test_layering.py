@@ -1,16 +1,20 @@
-"""The package's shape, kept by tests: its wings are layers, each importing only itself and the
-wings below it; the stage wings never import each other; and every module a DVC stage runs is one
-of that stage's `deps` (so editing any of them makes exactly the stages that run it stale)."""
+"""The tree's shape, kept by tests: the package's wings are layers, each importing only itself and
+the wings below it; the stage wings never import each other; no import circle anywhere in the tree
+(src/, bench/, tools/, stages/, tests/support, tests/oracles); and every module a DVC stage runs is
+one of that stage's `deps` (so editing any of them makes exactly the stages that run it stale)."""
 
 import pytest
 import yaml
 from support.helpers import REPO_ROOT
-from support.imports import (
+
+from tools.import_graph import (
     closure,
+    cycles,
     module_path,
     package_imports,
     package_modules,
     stage_deps,
+    tree_graph,
     wings,
 )
 
@@ -49,22 +53,6 @@ def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[s
                   if layers.get(other, len(LAYERS)) >= layers.get(wing, -1))
 
 
-def wing_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The cycles of the wing graph (each found once, from its first wing in sorted order)."""
-    cycles = []
-
-    def walk(start, wing, path):
-        for other in sorted(graph.get(wing, ())):
-            if other == start:
-                cycles.append(path + [start])
-            elif other not in path and other > start:
-                walk(start, other, path + [other])
-
-    for start in sorted(graph):
-        walk(start, start, [start])
-    return cycles
-
-
 def test_every_module_lives_in_a_wing_that_has_a_layer():
     layers = layer_of()
     loose = sorted(name for name in package_modules() if "." not in name and name not in wings())
@@ -75,14 +63,36 @@ def test_every_module_lives_in_a_wing_that_has_a_layer():
 def test_imports_run_downwards_and_no_wing_cycle():
     graph = wing_imports()
     assert upward_imports(graph, layer_of()) == []
-    assert wing_cycles(graph) == []
+    assert cycles(graph) == []
 
 
 def test_the_checks_see_an_upward_import_a_sideways_one_and_a_cycle():
     layers = layer_of()
     graph = {"data": {"drafters"}, "train": {"evaluate", "measure"}, "measure": {"decoding"}}
     assert upward_imports(graph, layers) == ["data -> drafters", "train -> evaluate"]
-    assert wing_cycles({"drafters": {"decoding"}, "decoding": {"drafters"}, "data": {"foundation"}}) == [["decoding", "drafters", "decoding"]]
+    assert cycles({"drafters": {"decoding"}, "decoding": {"drafters"}, "data": {"foundation"}}) == [["decoding", "drafters", "decoding"]]
+
+
+def test_no_import_circle_anywhere_in_the_tree():
+    """Module by module, function-level imports included: a circle between two bench files (one
+    importing the other's toy data, the other its figures) is as much a circle as one in src/."""
+    circles = [" -> ".join(circle) for circle in cycles(tree_graph())]
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_tree_graph_sees_function_level_sibling_and_relative_imports(tmp_path):
+    (tmp_path / "bench" / "gpu").mkdir(parents=True)
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "bench" / "__init__.py").write_text("")
+    (tmp_path / "bench" / "toy.py").write_text("def main():\n    from bench.gpu.figures import table\n")
+    (tmp_path / "bench" / "gpu" / "__init__.py").write_text("from . import figures\n")
+    (tmp_path / "bench" / "gpu" / "figures.py").write_text("def f():\n    import probe\n")  # run as a script: its folder first
+    (tmp_path / "bench" / "gpu" / "probe.py").write_text("from bench.toy import main\nfrom ..toy import main\n")
+    (tmp_path / "tools" / "report.py").write_text("import json\nfrom bench import toy\n")
+    graph = tree_graph(tmp_path, {"bench": ".", "tools": "."})
+    assert graph == {"bench": set(), "bench.toy": {"bench.gpu.figures"}, "bench.gpu": {"bench.gpu.figures"},
+                     "bench.gpu.figures": {"bench.gpu.probe"}, "bench.gpu.probe": {"bench.toy"}, "tools.report": {"bench.toy"}}
+    assert cycles(graph) == [["bench.gpu.figures", "bench.gpu.probe", "bench.toy", "bench.gpu.figures"]]
 
 
 LAUNCHER = "stages/launch.py"
@@ -103,7 +113,7 @@ def test_a_stage_depends_on_every_package_module_it_runs(stage):
     if LAUNCHER in words:  # run through the launcher (launch.processes): editing it reruns the stage too
         assert LAUNCHER in deps, f"dvc.yaml: stage {stage} runs {LAUNCHER} but does not list it in deps"
     needed = set(stage_deps(REPO_ROOT / script))
-    fix = "(python tests/support/imports.py --sync-dvc-yaml rewrites them)"
+    fix = "(python tools/sync_dvc_deps.py rewrites them)"
     missing = sorted(needed - deps)
     assert not missing, f"dvc.yaml: stage {stage} runs {missing} but does not list them in deps {fix}"
     extra = sorted(d for d in deps if d.startswith("src/") and d not in needed)

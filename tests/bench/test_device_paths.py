@@ -16,8 +16,9 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 | synchronised timing | devices.synchronize / timed (engine, bench/*) | tests/foundation/test_devices.py::test_timing_helper (CPU: no-op sync) |
 | `non_blocking=True` copies | blocks.Batch.to | every train test (a plain copy on CPU); pinned memory is not used |
 | NCCL process group, `cuda:LOCAL_RANK` | train.distributed.init_distributed, capture | NOT on CPU: the same code with gloo runs in test_train / test_capture |
-| `bench/gpu.py` | bench | test_gpu_bench_dry_run (toy sizes, CPU), test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest |
-| `bench/gpu_probe.py`, `bench/gpu_check.sh` | bench | test_gpu_probe_dry_run, test_gpu_check_dry_run_prints_every_figure_of_the_check |
+| `bench/gpu/figures.py` | bench | test_gpu_check_dry_run_prints_every_figure_of_the_check (every section at toy sizes, CPU), test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest |
+| `bench/gpu/probe.py`, `bench/gpu/check.sh`, `bench/gpu/carry.sh` | bench | test_gpu_check_dry_run_prints_every_figure_of_the_check, test_the_carry_script_parses_and_names_its_commands |
+| every other bench's `--dry-run` | bench | tests/bench/test_dry_runs.py |
 """
 
 import json
@@ -250,19 +251,16 @@ def test_as_stored_bf16_equals_the_shard_round_trip():
     assert fp8.dtype == torch.bfloat16 and not torch.equal(fp8, features.to(torch.bfloat16))
 
 
-# ----------------------------------------------------------------------------- bench/gpu.py
+# ----------------------------------------------------------------------------- bench/gpu/
 
 
 def test_a_decode_figure_from_a_noisy_pair_of_runs_is_never_zero():
-    # bench/gpu.py times 2n and n steps and takes the difference; on a loaded machine the n-step run
-    # once took as long as the 2n one, the step time came out 0 and a ratio divided by it.
-    import importlib.util
+    # bench/gpu/figures.py times 2n and n steps and takes the difference; on a loaded machine the n-step
+    # run once took as long as the 2n one, the step time came out 0 and a ratio divided by it.
+    from bench.gpu.figures import step_seconds
 
-    spec = importlib.util.spec_from_file_location("gpu_bench", REPO_ROOT / "bench" / "gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.step_seconds(1.0, 1.5, 10) == (0.05, True)
-    per_step, from_difference = bench.step_seconds(1.0, 0.9, 10)
+    assert step_seconds(1.0, 1.5, 10) == (0.05, True)
+    per_step, from_difference = step_seconds(1.0, 0.9, 10)
     assert (per_step, from_difference) == (0.9 / 20, False) and per_step > 0
 
 
@@ -270,7 +268,7 @@ def test_a_decode_figure_from_a_noisy_pair_of_runs_is_never_zero():
 def test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest(tmp_path):
     """A part past its time limit loses its own figures only: here the train section, given 1 s."""
     out = tmp_path / "gpu.json"
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu.py"), "--dry-run", "--work", str(tmp_path / "work"),
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu" / "figures.py"), "--dry-run", "--work", str(tmp_path / "work"),
                              "--data", "fabricated", "--sections", "train,evaluate", "--limit", "train=1", "--json", str(out)],
                             cwd=tmp_path, env=stage_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -282,11 +280,11 @@ def test_gpu_bench_cuts_a_part_at_its_limit_and_runs_the_rest(tmp_path):
 
 @pytest.mark.subprocess
 def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
-    """bench/gpu_check.sh's two calls at toy sizes on the CPU: the last line is CHECK {...} with the
+    """bench/gpu/check.sh's two calls at toy sizes on the CPU: the last line is CHECK {...} with the
     figures of issue #37's table, the decode step's attention backend and the fallback counts; the
     bench and the probe it ran each gave every figure (one run of each serves all three checks)."""
     env = {**stage_env(), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "HOME": str(tmp_path)}
-    result = subprocess.run(["bash", str(REPO_ROOT / "bench" / "gpu_check.sh"), "dry-run"], cwd=tmp_path, env=env,
+    result = subprocess.run(["bash", str(REPO_ROOT / "bench" / "gpu" / "check.sh"), "dry-run"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     last = result.stdout.rstrip().splitlines()[-1]
@@ -301,7 +299,7 @@ def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
     assert check["graph_fallbacks"] == 0 and check["cudagraph_skips"] == 0 and "train_compiled_mfu" in check
     assert check["split_answers_equal"] is True
 
-    # The lent-GPU bench (call 2's bench/gpu.py) end to end at toy sizes: every section runs and prints its row.
+    # The lent-GPU bench (call 2's bench/gpu/figures.py) end to end at toy sizes: every section runs and prints its row.
     figures = json.loads((tmp_path / "out" / "gpu.json").read_text())
     assert "section_errors" not in figures, figures["section_errors"]
     assert figures["sections_done"] == ["data", "decode", "capture / forward", "train step", "train + evaluate", "scoring", "split target"]
@@ -318,7 +316,7 @@ def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
     assert figures["scoring_same_tau_as_host_dense_mask"] is True
     assert "capture / forward" in (tmp_path / "out" / "gpu.log").read_text()
 
-    # The probe of the decoding engine (call 1's bench/gpu_probe.py): every part gives its figures.
+    # The probe of the decoding engine (call 1's bench/gpu/probe.py): every part gives its figures.
     probe = json.loads((tmp_path / "out" / "probe.json").read_text())
     for part in ("attention", "plain_shipped", "plain_cudnn_on", "phases_plain", "phases_chain", "phases_tree8", "phases_sampled",
                  "flex", "compiled_b1"):
@@ -326,3 +324,16 @@ def test_gpu_check_dry_run_prints_every_figure_of_the_check(tmp_path):
     assert probe["plain_shipped"]["b1"]["ms_per_step"] > 0 and probe["compiled_b1"]["compiled_ms"] > 0
     assert set(probe["spec_cost_in_plain_steps"]) == {"chain", "tree8", "sampled"}
     assert probe["graph_fallbacks"] == 0 and (tmp_path / "out" / "probe.log").read_text().rstrip().splitlines()[-1].startswith("PROBE {")
+
+
+@pytest.mark.subprocess
+def test_the_carry_script_parses_and_names_its_commands(tmp_path):
+    """bench/gpu/carry.sh needs the network (prepare) and the carried wheels (install, run) to do its
+    work, so on a CPU its dry path is bench/gpu/figures.py's, above; here both scripts parse and a
+    wrong command gets the usage line, exit 2."""
+    for script in ("carry.sh", "check.sh"):
+        path = REPO_ROOT / "bench" / "gpu" / script
+        assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0, script
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(tmp_path / "out")}  # the stash and the output: here
+        wrong = subprocess.run(["bash", str(path), "no-such-command"], capture_output=True, text=True, env=env)
+        assert wrong.returncode == 2 and f"usage: bench/gpu/{script}" in wrong.stderr, (script, wrong.stderr)

@@ -2,13 +2,12 @@
 fsync per shard, and a failure (in a writer or in the caller) that keeps finished shards only."""
 
 import filecmp
-import importlib.util
 import json
 import math
 import threading
 
 import pytest
-from support.helpers import REPO_ROOT, write_generated
+from support.helpers import write_generated
 
 from dflash_pipeline.capture.forward import CapturedBatch
 from dflash_pipeline.capture.plan import Sequence
@@ -177,19 +176,18 @@ def test_the_default_writer_count_is_inline_on_a_cpu_and_threads_on_a_gpu():
 
 
 def test_capture_figures_run_on_the_cpu_and_give_every_figure(tiny_llama_target, generated, tmp_path):
-    """bench/capture_figures.py on the tiny target: every key bench/gpu.py reads is there, and
-    positive and finite (what the figures are is the bench's to report, not this test's)."""
+    """bench/gpu/capture_figures.py on the tiny target: every key bench/gpu/figures.py reads is there,
+    and positive and finite (what the figures are is the bench's to report, not this test's)."""
+    from bench.gpu.capture_figures import capture_figures
+
     from dflash_pipeline.capture.plan import SplitPlan, load_sequences
     from dflash_pipeline.target.load import load_target
 
-    spec = importlib.util.spec_from_file_location("capture_figures", REPO_ROOT / "bench" / "capture_figures.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     model, _ = load_target(tiny_llama_target)
     sequences, _ = load_sequences(generated / "train.parquet", max_length=CONFIG.max_length, on_too_long="truncate")
     plan = SplitPlan.make(sequences, config=CONFIG, target=tiny_llama_target, layer_ids=list(CONFIG.layer_ids), compute_dtype="float32")
-    figures = bench.capture_figures(model, plan, sequences, list(CONFIG.layer_ids), pad_id=2, feature_dtype="bf16",
-                                    folder=tmp_path / "bench", writer_threads=2, max_batches=6, disk_mb=8)
+    figures = capture_figures(model, plan, sequences, list(CONFIG.layer_ids), pad_id=2, feature_dtype="bf16",
+                              folder=tmp_path / "bench", writer_threads=2, max_batches=6, disk_mb=8)
     for key in ("forward_tokens_per_s", "capture_gpu_path_tokens_per_s", "capture_gpu_path_vs_forward", "writer_gb_per_s",
                 "writer_tokens_per_s", "disk_write_gb_per_s", "writer_vs_disk", "shard_bytes_per_token", "capture_bound_tokens_per_s",
                 "capture_stage_tokens_per_s", "capture_stage_vs_bound"):

@@ -1,6 +1,6 @@
 """The per-anchor `build_batch` as it was before the batch was vectorised (commit 0121fa1): the
-reference the vectorised one must equal tensor for tensor (tests/data/test_blocks.py,
-bench/train_host.py). It returns the old layout: per-sequence feature pieces and the dense mask."""
+reference the vectorised one must equal tensor for tensor (tests/train/test_gpu_contract.py).
+It returns the old layout: per-sequence feature pieces and the dense mask."""
 
 import torch
 

@@ -8,7 +8,6 @@
     verify_tree / keep_path   a DDTree verified in one forward under the tree mask, the cache
                               then kept to exactly the accepted path
     verify_chain_step         a chain verified in one forward (greedy, or `sampling.verify_chain`)
-    host_forward_costs        forward timings over the dynamic cache (the benches' comparison)
 
 They left the package when `decoding.static_speculation` became its one engine (issue #36); the
 package never runs them.
@@ -16,14 +15,13 @@ package never runs them.
 
 import time
 
-import numpy as np
 import torch
 
 from dflash_pipeline.decoding.loop import DecodeRun
 from dflash_pipeline.decoding.static_decoder import cache_argument
 from dflash_pipeline.decoding.static_speculation import stored_features as as_stored
 from dflash_pipeline.drafters.core import DFlashDrafter
-from dflash_pipeline.foundation.devices import autocast, synchronize, timed
+from dflash_pipeline.foundation.devices import autocast, synchronize
 from dflash_pipeline.speculation.sampling import Sampling, draw, verify_chain
 from oracles.drafting import DraftCache, Proposal
 from oracles.trees import DraftTree, tree_attention_mask, tree_positions
@@ -189,28 +187,3 @@ def verify_chain_step(model, cache, proposal: Proposal, anchor: int, position: i
         accepted, bonus = verify_chain(sampling.probs(out.logits[0]), tokens, proposal.q, rule=sampling.rule, generator=generator)
     _crop(cache, position + accepted + 1)
     return accepted, bonus
-
-
-@torch.inference_mode()
-def host_forward_costs(model, prompt_ids: list[int], lengths: list[int], *, repeats: int = 5) -> dict[int, float]:
-    """`forward_costs` with transformers' forward, cropping the DynamicCache back after each
-    forward (on CUDA a cuDNN plan cache can then hit where a real decode misses)."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([prompt_ids], device=device), **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
-    start = len(prompt_ids)
-    samples = {n: [] for n in lengths}
-    for repeat in range(repeats + 1):  # the first round warms up
-        for n in lengths:
-            ids = torch.tensor([prompt_ids[-n:]], device=device)
-            positions = torch.arange(start, start + n, device=device)[None]
-            _, seconds = timed(lambda: model(input_ids=ids, position_ids=positions, **cache_argument(model, cache), use_cache=True).logits[0].argmax(-1).tolist(),
-                               device)
-            _crop(cache, start)
-            if repeat:
-                samples[n].append(seconds)
-    return {n: float(np.median(values)) for n, values in samples.items()}
-
-

@@ -16,7 +16,7 @@ def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: 
                             on_step=None) -> list[Answer]:
     """Greedy-decode a batch of prompts with left padding and a shared KV cache over transformers'
     own forward: the reference `generate.static_greedy_generate` is tested against
-    (tests/decoding/test_static_decoder.py) and measured against (bench/generate.py --engines).
+    (tests/decoding/test_static_decoder.py) and timed against on a GPU (bench/gpu/figures.py's decode section).
 
     Rows that finish leave the batch (their cache rows are dropped), so a long answer does not
     make short ones pay for its steps. `on_step(new_tokens, finished_rows)` reports progress.

@@ -1,6 +1,6 @@
 """The shard writer as it was before its columns were zero-copy and its digest was computed while
 writing (commit 0121fa1): the reference the new `ShardWriter` must equal byte for byte
-(tests/capture/test_gpu_contract.py, bench/capture_host.py)."""
+(tests/capture/test_gpu_contract.py)."""
 
 import os
 from pathlib import Path

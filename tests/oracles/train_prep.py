@@ -1,8 +1,7 @@
 """A step's batch and targets as `prepare_step` built them before issue #37 item 2: anchors drawn
 sequence by sequence in a Python loop (`draw_anchors`), the target's top-k of the whole step
 concatenated and converted before the slots' rows were gathered. The reference the vectorised
-`build_batch` / `training_targets` must equal tensor for tensor (tests/train/test_step_preparation.py,
-bench/train_prep.py)."""
+`build_batch` / `training_targets` must equal tensor for tensor (tests/train/test_prepare.py)."""
 
 import torch
 

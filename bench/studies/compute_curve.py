@@ -1,6 +1,7 @@
 """How held-out τ and the end-to-end speedup grow with training compute, checkpoint by checkpoint.
 
-    python bench/compute_curve.py --checkpoints data/checkpoints --out bench/results/compute_curve
+    python bench/studies/compute_curve.py --checkpoints data/checkpoints --out bench/results/compute_curve
+    python bench/studies/compute_curve.py --dry-run      # a toy run's two checkpoints (tests/bench/test_dry_runs.py)
 
 Needs a training run's folder (its checkpoints and `state.json`, whose curve gives the training
 seconds at each checkpoint), the val shards and the generated val answers. Every checkpoint is
@@ -14,11 +15,15 @@ run, alternating which side goes first). Writes `<out>.csv` / `<out>.json` and `
 import csv
 import json
 import os
+import sys
 from pathlib import Path
 
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.toy import REPO_ROOT, dry_run_options, toy_run  # noqa: E402
 
 
 @click.command()
@@ -31,7 +36,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @click.option("--seconds-per-step", default=None, type=float,
               help="Training minutes = step x this (a rate measured without other load), instead of the run's wall clock.")
 @click.option("--out", type=click.Path(path_type=Path), default="bench/results/compute_curve", show_default=True)
-def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every, seconds_per_step, out):
+@dry_run_options
+def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every, seconds_per_step, out, dry_run, work):
     from dataclasses import replace
 
     from dflash_pipeline.drafters.checkpoints import list_checkpoints
@@ -43,7 +49,11 @@ def main(checkpoints_dir, hidden, generated, target_json, num_prompts, e2e_every
 
     import torch
 
-    config = load_params("params.yaml").evaluate
+    config = load_params(REPO_ROOT / "params.yaml").evaluate
+    if dry_run:  # the study's plumbing on a toy run; its curve beside it, never in bench/results
+        toy = toy_run(work)
+        checkpoints_dir, hidden, generated, target_json, out = toy.checkpoints, toy.hidden, toy.generated, toy.target_json, work / "compute_curve"
+        config, num_prompts = replace(config, max_new_tokens=8), 1
     if num_prompts is not None:
         config = replace(config, num_prompts=num_prompts)
     target = TargetInfo.from_json(target_json)

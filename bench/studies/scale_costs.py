@@ -1,6 +1,7 @@
 """What each stage costs for an 8B and a 70B target at 100K and 800K prompts: GPU-hours and disk.
 
-    python bench/scale_costs.py          # writes bench/results/scale_costs.json (docs/results.md renders it)
+    python bench/studies/scale_costs.py             # writes bench/results/scale_costs.json (docs/results.md renders it)
+    python bench/studies/scale_costs.py --dry-run   # prints the rows, writes only --out if given (tests/bench/test_dry_runs.py)
 
 No GPU figure of these targets has been measured with this pipeline, so this is a model, and every
 input is stated below with why it was chosen: the targets' sizes (their published configs), the
@@ -10,10 +11,11 @@ an assumption by a measurement as one comes in (docs/scale.md, "What the next GP
 the rates measured on a CPU are in bench/results/scale_cpu.json.
 """
 
+import argparse
 import json
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "results" / "scale_costs.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "scale_costs.json"
 
 # The two targets: published configs (Qwen3-8B; Llama-3.1-70B). Parameters in billions.
 TARGETS = {
@@ -98,13 +100,19 @@ def costs(target: dict, prompts: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help=f"where the rows go (default: {OUT.relative_to(OUT.parents[2])})")
+    parser.add_argument("--dry-run", action="store_true", help="the same arithmetic; the committed result is never written")
+    args = parser.parse_args(argv)
+    out = args.out or (None if args.dry_run else OUT)
     rows = [{"target": name, "prompts": prompts, **costs(target, prompts)} for name, target in TARGETS.items() for prompts in PROMPTS]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"assumed": ASSUMED, "targets": TARGETS, "rows": rows}, indent=2) + "\n")
     for row in rows:
         print(row)
-    print(f"wrote {OUT}")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"assumed": ASSUMED, "targets": TARGETS, "rows": rows}, indent=2) + "\n")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

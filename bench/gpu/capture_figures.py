@@ -1,7 +1,7 @@
 """The capture figures, on whatever device: the GPU path against the forward, the writer against the disk.
 
-    python bench/capture_figures.py --dry-run                      # CPU, the tiny random target, toy sizes
-    python bench/capture_figures.py --target data/target/target.json --generated data/generated/train.parquet
+    python bench/gpu/capture_figures.py --dry-run                  # CPU, the tiny random target, toy sizes
+    python bench/gpu/capture_figures.py --target data/target/target.json --generated data/generated/train.parquet
 
 The capture goal is min(forward, disk): capture tokens/s >= 0.9 x min(plain forward tokens/s,
 disk GB/s / bytes per token) (docs/gpu.md). `capture_figures` measures, in one process on the
@@ -15,9 +15,9 @@ same batches, each term apart, so a miss says which part is short:
   disk         a plain sequential write of `disk_mb` MiB with fsync in the same folder, in GB/s;
   stage        `capture.write_shards` end to end (GPU path and writer overlapped), tokens/s.
 
-bench/gpu.py calls `capture_figures(model, plan, sequences, layer_ids, pad_id=..., feature_dtype=...,
+bench/gpu/figures.py calls `capture_figures(model, plan, sequences, layer_ids, pad_id=..., feature_dtype=...,
 folder=...)` with the model it loaded and a `capture.SplitPlan`; tests/capture/test_writers.py runs
-it on the tiny target on the CPU.
+it on the tiny target on the CPU, tests/bench/test_dry_runs.py the dry run.
 """
 
 import os
@@ -30,8 +30,10 @@ from pathlib import Path
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "src"))  # runs from a plain checkout, where the package is not installed
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "src")]  # a lent GPU runs a plain checkout, the package not installed
+
+from bench.toy import toy_run  # noqa: E402
 
 GB = 1e9
 
@@ -204,7 +206,7 @@ def capture_figures(model, plan, sequences, layer_ids: list[int], *, pad_id: int
 
 
 @click.command()
-@click.option("--dry-run", is_flag=True, help="CPU, the tiny random target of bench/gpu.py, fabricated answers, toy sizes.")
+@click.option("--dry-run", is_flag=True, help="CPU, the toy run's tiny random target and fabricated answers (bench/toy.py), toy sizes.")
 @click.option("--target", "target_json", type=click.Path(path_type=Path), default="data/target/target.json", show_default=True)
 @click.option("--generated", type=click.Path(path_type=Path), default="data/generated/train.parquet", show_default=True)
 @click.option("--device", default=None, help="Default: cuda when available, else cpu.")
@@ -219,20 +221,16 @@ def main(dry_run, target_json, generated, device, writer_threads, max_batches, d
     import torch
 
     from dflash_pipeline.capture.plan import SplitPlan, load_sequences, resolve_layer_ids
-    from dflash_pipeline.foundation.config import CaptureConfig, TargetConfig
-    from dflash_pipeline.target.load import TargetInfo, load_target, prepare_target
+    from dflash_pipeline.foundation.config import CaptureConfig
+    from dflash_pipeline.target.load import TargetInfo, load_target
 
     device = device or ("cuda" if torch.cuda.is_available() and not dry_run else "cpu")
     folder = Path(folder or tempfile.mkdtemp(prefix="capture-figures-"))
     config = CaptureConfig()
-    if dry_run:
-        sys.path.insert(0, str(REPO_ROOT / "bench"))
-        from gpu import fabricate_generated, tiny_target_folder  # read-only use of the GPU bench's toy data
-
-        prepare_target(TargetConfig(model=str(tiny_target_folder(folder / "tiny-model"))), out_dir=folder / "target")
-        fabricate_generated(folder / "generated", prompts=24)
-        target_json, generated = folder / "target" / "target.json", folder / "generated" / "train.parquet"
-        config, disk_mb = replace(config, layer_ids=[0, 1, 2, 3], shard_mb=1, batch_tokens=1024), min(disk_mb, 16)
+    if dry_run:  # the toy run's target and answers (in --folder, reused when there), batches of a few sequences
+        toy = toy_run(folder, upto="generated")
+        target_json, generated = toy.target_json, toy.generated / "train.parquet"
+        config, disk_mb = replace(config, layer_ids=[0, 1, 2, 3], shard_mb=1, batch_tokens=256), min(disk_mb, 16)
     elif device.startswith("cuda"):
         config = replace(config, batch_tokens=max(config.batch_tokens, 65536))  # the GPU's batch (docs/gpu.md)
     target = TargetInfo.from_json(target_json)

@@ -1,6 +1,7 @@
 """Study: held-out teacher-forced tau against training time for several drafter recipes.
 
-    python bench/train_study.py --minutes 4 --out bench/results/train_study
+    python bench/studies/train_study.py --minutes 4 --out bench/results/train_study
+    python bench/studies/train_study.py --dry-run      # two recipes, 2 steps each, on toy shards (tests/bench/test_dry_runs.py)
 
 Needs the `capture` stage's shards (dvc repro capture). Each recipe trains from scratch on the
 same shards for the same wall-clock budget (sized from a 6-step probe of its step time), or with
@@ -14,6 +15,7 @@ seconds, loss, tau, tau_ci95), `<out>.json` (the final comparison) and `<out>.pn
 
 import csv
 import os
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -21,16 +23,19 @@ from pathlib import Path
 import click
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: `bench.*` from a plain `python bench/...`
+
+from bench.toy import REPO_ROOT, TOY_TRAIN, dry_run_options, toy_run  # noqa: E402
 
 RECIPES = {
     # params.yaml's train section as it stands, and the same with DFlash2's additions (issue 16):
-    #   python bench/train_study.py --recipes default,dflash2 --minutes 6 --out bench/results/dflash2_study
+    #   python bench/studies/train_study.py --recipes default,dflash2 --minutes 6 --out bench/results/dflash2_study
     "default": {},
     "dflash2": {"architecture": "dflash2"},
     "dflash2 rank16 k8": {"architecture": "dflash2", "options": {"dflash2": {"selector_rank": 16, "selector_top_k": 8}}},
     # the DFlash2 selector's sizes around the default (params.yaml is dflash2 now, so "default" is their baseline),
     # at equal steps: a weight costs nothing per step, and a cold first probe misjudges the step time
-    #   python bench/train_study.py --recipes default,"selector w0.5","selector w2","selector rank128" --steps 1200 \
+    #   python bench/studies/train_study.py --recipes default,"selector w0.5","selector w2","selector rank128" --steps 1200 \
     #       --out bench/results/selector_study
     "selector w0.5": {"options": {"dflash2": {"selector_weight": 0.5}}},
     "selector w2": {"options": {"dflash2": {"selector_weight": 2.0}}},
@@ -76,7 +81,8 @@ RECIPES = {
 @click.option("--eval-every", default=25, show_default=True)
 @click.option("--recipes", default=",".join(RECIPES), show_default=True, help="Comma-separated recipe names.")
 @click.option("--out", type=click.Path(path_type=Path), default="bench/results/train_study", show_default=True)
-def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
+@dry_run_options
+def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out, dry_run, work):
     import json
 
     import torch
@@ -88,8 +94,12 @@ def main(hidden, target_json, minutes, fixed_steps, eval_every, recipes, out):
     from dflash_pipeline.target.load import TargetInfo, load_target_head
     from dflash_pipeline.train import run as train_module
 
-    params = load_params("params.yaml")
+    params = load_params(REPO_ROOT / "params.yaml")
     base, evaluate = params.train, params.evaluate
+    if dry_run:  # the study's plumbing on toy shards; its results beside them, never in bench/results
+        toy = toy_run(work, upto="hidden")
+        hidden, target_json, fixed_steps, eval_every, recipes, out = toy.hidden, toy.target_json, 2, 1, "default,dflash2", work / "train_study"
+        base = replace(base, **TOY_TRAIN)
     target = TargetInfo.from_json(target_json)
     head = load_target_head(target, device="cpu", dtype=torch.float32)
     val_set = open_split(hidden / "val", expected_fingerprint=target.fingerprint)

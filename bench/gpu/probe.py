@@ -1,7 +1,7 @@
-"""The decoding engine on a lent GPU in about a minute, with no carried wheel: what bench/gpu.py cannot tell apart.
+"""The decoding engine on a lent GPU in about a minute, with no carried wheel: what bench/gpu/figures.py cannot tell apart.
 
-    python bench/gpu_probe.py OUT.json            # CUDA: a random-weight target of SmolLM2-135M's shape, 30 layers
-    python bench/gpu_probe.py --dry-run OUT.json  # CPU: 4 layers, toy batches (tests/bench/test_device_paths.py)
+    python bench/gpu/probe.py OUT.json            # CUDA: a random-weight target of SmolLM2-135M's shape, 30 layers
+    python bench/gpu/probe.py --dry-run OUT.json  # CPU: 4 layers, toy batches (tests/bench/test_device_paths.py)
 
 Kernel times do not depend on weights, so the target is built from its config in bf16 (the image's
 transformers is enough). Parts, each in its own try, the JSON rewritten after each:
@@ -18,6 +18,9 @@ transformers is enough). Parts, each in its own try, the JSON rewritten after ea
                 the same runner, against the graphed eager step (issue #36 item 5: whether fusing norms and RoPE pays)
   flex          whether this torch's flex-attention op has an autocast rule (else bf16 autocast leaves q/k in fp32)
 Warnings that a capture failed are counted (`graph_fallbacks`). Prints `PROBE {...}` last.
+It is a process of its own, never imported: it builds its model at import and sets process-wide
+state (the SDPA backends, `static_decoder.TRIM_ON_CPU`); bench/gpu/check.sh runs it, and its
+dry run is tested through `check.sh dry-run`.
 """
 
 import collections
@@ -29,7 +32,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "src"))  # runs from a plain checkout, where the package is not installed
 
 import torch  # noqa: E402

