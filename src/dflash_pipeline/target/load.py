@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import torch
 from dflash_pipeline.foundation.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import digest_problem, read_json, sha256_file, write_json_atomic
+from dflash_pipeline.foundation.tensor_files import safetensors_header_bytes
 from dflash_pipeline.target.embedded import GGUF_SUFFIX, convert_embedded, convert_gguf
 from dflash_pipeline.target.folder import check_config_spellings, read_tensors
 from dflash_pipeline.target.placement import TargetPlacement, plan_device_map
@@ -194,9 +194,7 @@ def _weights_index_hash(model_dir: Path) -> str:
         size = file.stat().st_size
         digest.update(f"{file.name}:{size}".encode())
         if file.suffix == ".safetensors":
-            with open(file, "rb") as handle:
-                (header_len,) = struct.unpack("<Q", handle.read(8))
-                digest.update(handle.read(header_len))
+            digest.update(safetensors_header_bytes(file))
     return digest.hexdigest()
 
 
