@@ -245,14 +245,12 @@ def split_figures(work: Path, target, *, device: str, prompts: int, max_new_toke
     decode step eager, docs/scale.md); in the dry run the CPU keeps the embedding and a layer (the tiny target is mostly embedding) and the rest
     is read from disk."""
     from dflash_pipeline.data.prompts import read_prompts
-    from dflash_pipeline.foundation.devices import timed
+    from dflash_pipeline.foundation.devices import compute_dtype, timed
     from dflash_pipeline.generate.run import decoding_engine, render_prompt, static_greedy_generate
     from dflash_pipeline.target.load import load_target
     from dflash_pipeline.target.placement import TargetPlacement, weight_bytes
 
-    import torch
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = compute_dtype(device)
     size = weight_bytes(target.path, dtype)
     budget = {0: size // 2, "cpu": 4 * size} if device.startswith("cuda") else {"cpu": int(size * 0.98)}
     placement = TargetPlacement(device_map="auto", max_memory=budget, offload_folder=str(work / "offload"))
@@ -393,14 +391,14 @@ def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> 
     from dflash_pipeline.data import blocks
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.drafters.attention import to_block_mask
-    from dflash_pipeline.foundation.devices import autocast, bf16_by_default, timed
+    from dflash_pipeline.foundation.devices import autocast, timed
     from dflash_pipeline.measure.scoring import score_teacher_forced
     from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import load_target_head
 
     drafter, _ = load_checkpoint(list_checkpoints(work / "checkpoints")[-1], device=device)
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    head = load_target_head(target, device=device)
     val_set = open_split(work / "hidden" / "val")
     attention = "flex" if device.startswith("cuda") else "sdpa"
     chosen = list(range(min(sequences, len(val_set))))

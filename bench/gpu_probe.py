@@ -92,7 +92,7 @@ from dflash_pipeline.speculation.sampling import Sampling  # noqa: E402
 from dflash_pipeline.decoding import static_decoder  # noqa: E402
 from dflash_pipeline.decoding.static_decoder import use_static_sdpa  # noqa: E402
 from dflash_pipeline.decoding.static_speculation import SpeculativeStep  # noqa: E402
-from dflash_pipeline.foundation.devices import configure_attention  # noqa: E402
+from dflash_pipeline.foundation.devices import compute_dtype, configure_attention  # noqa: E402
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.target.load import TargetHead  # noqa: E402
@@ -101,7 +101,7 @@ FIGURES["transformers"] = transformers.__version__
 static_decoder.TRIM_ON_CPU = False  # the dry run steps over the whole static length, as a GPU does (one shape, one compile)
 LAYERS = 30 if CUDA else 4
 TAPS = (1, 8, 14, 20, 27) if CUDA else (0, 1, 2, 3)
-DTYPE = torch.bfloat16 if CUDA else torch.float32
+DTYPE = compute_dtype(DEVICE)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 BATCHES = ((1, 150), (64, 100), (512, 40)) if CUDA else ((1, 6), (4, 4))
 config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=LAYERS, num_attention_heads=HEADS,

@@ -99,7 +99,7 @@ def open_session(target: TargetInfo, drafter: DFlashDrafter, *, device: str, lay
     taps = list(drafter.config.target_layer_ids) if layer_ids is None else list(layer_ids)
     _check_taps(drafter, taps)
     if head is None:
-        head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+        head = load_target_head(target, device=device)
     model, tokenizer = load_target(target, device=device, placement=placement)
     return DecodingSession(target=target, model=model, tokenizer=tokenizer, head=head, layer_ids=tuple(taps), drafter=drafter.eval(),
                            device=device)

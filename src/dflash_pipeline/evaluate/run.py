@@ -23,10 +23,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from dflash_pipeline.drafters.checkpoints import list_checkpoints
-from dflash_pipeline.foundation.devices import autocast, bf16_by_default, machine_description
+from dflash_pipeline.foundation.devices import autocast, machine_description
 from dflash_pipeline.decoding.engine import speculation_engine
 from dflash_pipeline.measure.verify_plan import VerifyPlan, measure_forward_costs, plan_verify_tokens
 from dflash_pipeline.measure.end_to_end import EndToEndPrompt, end_to_end, summarize_end_to_end
@@ -283,7 +281,7 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
                                  device=device)
     if not candidates:
         raise PipelineError("evaluate: nothing to evaluate (no checkpoint selected and no baseline)")
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    head = load_target_head(target, device=device)
     categories = sequence_categories(val_set, generated_val)
 
     started = time.perf_counter()

@@ -309,10 +309,10 @@ def load_target(info: TargetInfo, *, device: str = "cpu", placement: TargetPlace
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_pipeline.foundation.devices import configure_attention
+    from dflash_pipeline.foundation.devices import compute_dtype, configure_attention
 
     configure_attention(device)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = compute_dtype(device)
     if not (info.path / "config.json").is_file():
         raise PipelineError(f"{info.path}: target model folder is gone; rerun the `target` stage (dvc repro target)")
     tokenizer = AutoTokenizer.from_pretrained(info.path)
@@ -346,8 +346,13 @@ class TargetHead(torch.nn.Module):
         return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], -1)
 
 
-def load_target_head(target: TargetInfo, *, device: str, dtype) -> TargetHead:
-    """The frozen embedding and LM head, read alone from the weight files (never the whole target)."""
+def load_target_head(target: TargetInfo, *, device: str, dtype=None) -> TargetHead:
+    """The frozen embedding and LM head, read alone from the weight files (never the whole target),
+    in `dtype` (None: the target's own on `device`, `devices.compute_dtype`)."""
+    if dtype is None:
+        from dflash_pipeline.foundation.devices import compute_dtype
+
+        dtype = compute_dtype(device)
     tensors = read_tensors(target.path, ["embed_tokens.weight", "lm_head.weight"])
     if "embed_tokens.weight" not in tensors:
         raise PipelineError(f"{target.path}: no '*embed_tokens.weight' tensor in the target's safetensors files")
