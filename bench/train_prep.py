@@ -117,7 +117,7 @@ def _host_only(tokens: int, *, rounds: int) -> dict:
                     gathered_training_targets(per_sequence_build_batch(packed, **settings, feature_starts=starts), packed, 7.0)
                 else:
                     batch = build_batch(packed, **settings, feature_starts=starts)
-                    training_targets(batch, packed, 7.0, resident_rows=starts is not None)
+                    training_targets(batch, packed, 7.0, block_size=settings["block_size"], resident_rows=starts is not None)
                 times[name].append(time.perf_counter() - began)
         old, new = (round(1000 * statistics.median(times[name]), 3) for name in ("old", "new"))
         figures[layout] = {"old_ms": old, "new_ms": new, "new_vs_old": round(new / old, 3)}
