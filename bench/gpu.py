@@ -342,9 +342,9 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
     loop (tests/oracles' `host_speculative_decode`: transformers' forward, a read back per step) and the
     static step (`static_speculation`), for plain decoding, the chain and a DDTree of 8, with
     whether their answers agree."""
-    from dflash_pipeline.decoding.session import open_session
-    from dflash_pipeline.decoding.loop import static_plain_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import Speculation, open_session
+    from dflash_pipeline.speculation.modes import DecodingMode
     from dflash_pipeline.target.load import LayerTap
     from oracles.decoding import host_greedy_decode, host_speculative_decode
     from oracles.drafting import drafter_proposer, tree_proposer
@@ -357,11 +357,12 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
     tap = LayerTap(model, list(drafter.config.target_layer_ids))
     chosen = [ids for _, ids in val_prompts(work / "generated" / "val.parquet", prompts)]
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos)
-    modes = {"plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common))}
-    for name, budget in (("chain", None), ("tree8", 8)):
-        propose = drafter_proposer(drafter, head) if budget is None else tree_proposer(drafter, head, budget)
-        static = Speculation(drafter, head, tree_budget=budget)
-        modes[name] = (lambda ids, propose=propose: host_speculative_decode(model, tap, drafter, propose, ids, **common),
+    modes = {"plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: greedy_decode(model, ids, **common))}
+    speculative = (DecodingMode.chain(), DecodingMode.tree(8))
+    for mode in speculative:
+        propose = tree_proposer(drafter, head, mode.tree_budget) if mode.is_tree else drafter_proposer(drafter, head)
+        static = Speculation(drafter, head, mode)
+        modes[mode.name] = (lambda ids, propose=propose: host_speculative_decode(model, tap, drafter, propose, ids, **common),
                        lambda ids, static=static: static.decode(model, ids, **common))
     figures = {}
     for name, (host, static) in modes.items():
@@ -375,7 +376,7 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
                          "static_over_host": round(rate["static"] / rate["host"], 3),
                          "identical": sum(a.tokens == b.tokens for a, b in zip(runs["host"], runs["static"]))}
     tap.remove()
-    for name in ("chain", "tree8"):
+    for name in (mode.name for mode in speculative):
         figures[name]["static_speedup_over_plain"] = round(figures[name]["static_tokens_per_s"] / figures["plain"]["static_tokens_per_s"], 3)
     print(f"  engines: {figures}", flush=True)
     return {"engines_side_by_side": figures, "plain_decode_ms_batch1_static": round(1000 / figures["plain"]["static_tokens_per_s"], 3)}

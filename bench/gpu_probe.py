@@ -88,6 +88,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from dflash_pipeline.decoding.graphs import PhaseRunner  # noqa: E402
 from dflash_pipeline.decoding.loop import PhaseClock, PlainStep  # noqa: E402
+from dflash_pipeline.speculation.modes import DecodingMode  # noqa: E402
 from dflash_pipeline.speculation.sampling import Sampling  # noqa: E402
 from dflash_pipeline.decoding import static_decoder  # noqa: E402
 from dflash_pipeline.decoding.static_decoder import use_static_sdpa  # noqa: E402
@@ -226,15 +227,20 @@ drafter = DFlashDrafter(DrafterConfig(hidden_size=576, intermediate_size=1536, n
 drafter.set_draft_vocab(torch.arange(3, 10003))  # a ~10K-token draft vocabulary, as the default run's
 
 
+TREE8 = DecodingMode.tree(8)
+# The step kinds timed: the plain step (no mode), then each speculative mode, the chain also sampled.
+STEP_KINDS = {"plain": None, "chain": DecodingMode.chain(), TREE8.name: TREE8, "sampled": DecodingMode.chain()}
+
+
 def phases(kind: str, steps: int) -> dict:
     """One step kind captured by PhaseRunner (as `loop.cached_step` does), each phase timed by events."""
     sampling = Sampling(1.0, rule="ratio", seed=0) if kind == "sampled" else None
+    mode = STEP_KINDS[kind]
     began = time.perf_counter()
-    if kind == "plain":
+    if mode is None:
         step = PlainStep(model, capacity=256, max_new_tokens=256, eos_ids={-1})
     else:
-        step = SpeculativeStep(model, drafter, head, capacity=256, max_new_tokens=256, eos_ids={-1}, sampling=sampling,
-                               tree_budget=8 if kind == "tree8" else None)
+        step = SpeculativeStep(model, drafter, head, capacity=256, max_new_tokens=256, eos_ids={-1}, mode=mode, sampling=sampling)
     step.generator = torch.Generator(device=DEVICE).manual_seed(0) if sampling is not None else None
     step.prefill(list(range(100, 196)), step.generator, 256)
     runner = PhaseRunner(step.phases(), state=step.graph_state(), device=step.device)
@@ -279,9 +285,9 @@ def main() -> None:
     part("attention", attention_backends, 30)
     part("plain_shipped", lambda: plain_all(False), 60)
     part("plain_cudnn_on", lambda: plain_all(True), 60)
-    for kind in ("plain", "chain", "tree8", "sampled"):
+    for kind in STEP_KINDS:
         part(f"phases_{kind}", lambda kind=kind: phases(kind, 100 if CUDA else 3), 40)
-    done = {k: FIGURES[f"phases_{k}"]["step_ms"] for k in ("plain", "chain", "tree8", "sampled") if "step_ms" in FIGURES[f"phases_{k}"]}
+    done = {k: FIGURES[f"phases_{k}"]["step_ms"] for k in STEP_KINDS if "step_ms" in FIGURES[f"phases_{k}"]}
     if "plain" in done:
         FIGURES["spec_cost_in_plain_steps"] = {k: round(ms / done["plain"], 3) for k, ms in done.items() if k != "plain"}
     part("flex", flex_autocast, 10)

@@ -7,7 +7,7 @@ The chosen drafter (data/eval/best.json) decodes the same val prompts on both en
   host     tests/oracles' `host_greedy_decode` / `host_speculative_decode`: transformers' forward
            and DynamicCache, acceptance read back every step (the loops the engine replaced, kept
            as the references it is tested against)
-  static   `loop.static_plain_decode` / `Speculation.decode`: static KV,
+  static   `plain.greedy_decode` / `Speculation.decode`: static KV,
            a step drafted, verified and accepted on the device (`static-kv`)
 in three modes: plain greedy, the greedy chain (all B-1 tokens) and the greedy DDTree. Each
 (mode, prompt) runs host and static back to back, alternating which goes first, for `--rounds`
@@ -38,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, tree_budget, rounds, json_path):
     import torch
 
-    from dflash_pipeline.decoding.loop import static_plain_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import Speculation
     from dflash_pipeline.foundation.devices import machine_description
+    from dflash_pipeline.speculation.modes import DecodingMode
     from dflash_pipeline.target.load import LayerTap
 
     host_oracles()
@@ -52,14 +53,15 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     tap = LayerTap(model, list(drafter.config.target_layer_ids))  # the host loop reads the layers through hooks
     prompts, eos_ids, feature_dtype = setup.prompts, setup.eos_ids, setup.val_set.manifest.feature_dtype
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    chain_mode, tree_mode = Speculation(drafter, head), Speculation(drafter, head, tree_budget=tree_budget)
+    tree = DecodingMode.tree(tree_budget)
+    chain_mode, tree_mode = Speculation(drafter, head), Speculation(drafter, head, tree)
     chain_proposer, tree_proposer = drafter_proposer(drafter, head), tree_proposer(drafter, head, tree_budget)
     spec = dict(feature_dtype=feature_dtype, **common)
     modes = {  # mode -> (host engine, static engine)
-        "plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common)),
+        "plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: greedy_decode(model, ids, **common)),
         "chain": (lambda ids: host_speculative_decode(model, tap, drafter, chain_proposer, ids, **spec),
                   lambda ids: chain_mode.decode(model, ids, **spec)),
-        f"tree{tree_budget}": (lambda ids: host_speculative_decode(model, tap, drafter, tree_proposer, ids, **spec),
+        tree.name: (lambda ids: host_speculative_decode(model, tap, drafter, tree_proposer, ids, **spec),
                                lambda ids: tree_mode.decode(model, ids, **spec)),
     }
 

@@ -7,11 +7,10 @@
                        alike: the host reads (ended, tokens made) once every `read_every` steps
                        (`devices.READ_EVERY` on a GPU, every step on a CPU), each phase replayed
                        through the one CUDA-graph runner (`graphs.PhaseRunner`)
-    static_plain_decode  one prompt on a step kept per target and reused across prompts
-    engine_name        what records call this engine on a device
+    cached_step, run_prompt  a step kept per owner and reused across prompts, and one prompt on it
 
 It imports nothing of the drafters, so the generate stage, which decodes with the target alone,
-does not go stale when drafter code changes.
+does not go stale when drafter code changes. Outside code decodes through `plain` and `session`.
 """
 
 import time
@@ -21,20 +20,9 @@ import torch
 
 from dflash_pipeline.decoding.graphs import PhaseRunner
 from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
-from dflash_pipeline.decoding.static_decoder import StaticDecoder, check_servable
+from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.foundation.devices import default_read_every, synchronize
 from dflash_pipeline.target.placement import is_split, model_device
-
-STATIC_ENGINE = "static-kv"  # static KV, whole steps on the device
-GRAPHED_ENGINE = "static-kv-cuda-graph"  # the same steps, each phase replayed as a CUDA graph
-
-
-def engine_name(model) -> str:
-    """The engine that decodes with this target, as records name it: the static step, replayed as
-    CUDA graphs on a GPU (eager if a capture fails, with a warning). A target it cannot serve is
-    refused in one line (`static_decoder.check_servable`)."""
-    check_servable(model)
-    return GRAPHED_ENGINE if model_device(model).type == "cuda" and not is_split(model) else STATIC_ENGINE
 
 
 @dataclass
@@ -319,17 +307,3 @@ def run_prompt(step, runner: PhaseRunner, prompt_ids: list[int], max_new_tokens:
     if len(totals) == 3:  # draft, verify, extend: extending the drafter's context counts as drafting, as in the host loop
         run.draft_seconds, run.verify_seconds = totals[0] + totals[2], totals[1]
     return run
-
-
-@torch.inference_mode(False)
-def static_plain_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
-                        on_tokens=None, read_every: int | None = None):
-    """`engine.greedy_decode` (or sampled) of one prompt on the static cache, batch 1 (a `DecodeRun`)."""
-    sampling_key = None if sampling is None else (sampling.temperature, sampling.top_k, sampling.top_p)
-    key = (tuple(sorted(eos_ids)), sampling_key)
-
-    def build(capacity, answer_capacity):
-        return PlainStep(model, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids, sampling=sampling)
-
-    step, runner = cached_step(model, key, len(prompt_ids), max_new_tokens, build)
-    return run_prompt(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
