@@ -39,8 +39,10 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     import numpy as np
     import torch
 
-    from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import speculative_decode
     from dflash_pipeline.foundation.files import read_json
+    from dflash_pipeline.speculation.modes import DecodingMode
     from dflash_pipeline.speculation.sampling import Sampling
 
     setup = load_decoding_setup(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens, device, dry_run=dry_run, work=work)
@@ -52,18 +54,18 @@ def main(checkpoint, hidden, generated, target_json, num_prompts, max_new_tokens
     block = drafter.config.block_size
 
     lengths = [block - 1] + ([chosen_k] if chosen_k and chosen_k != block - 1 else [])
-    modes = [(f"chain T=0, k={k}", None, k, None) for k in lengths]
-    modes += [(f"tree k={budget}, T=0", None, None, budget) for budget in (int(b) for b in tree_budgets.split(",") if b.strip())]
-    modes += [(f"chain T={temperature:g}, {rule}, k={k}", rule, k, None) for rule in ("match", "ratio") for k in lengths]
+    modes = [(f"chain T=0, k={k}", None, DecodingMode.chain(k)) for k in lengths]
+    modes += [(f"tree k={budget}, T=0", None, DecodingMode.tree(budget)) for budget in (int(b) for b in tree_budgets.split(",") if b.strip())]
+    modes += [(f"chain T={temperature:g}, {rule}, k={k}", rule, DecodingMode.chain(k)) for rule in ("match", "ratio") for k in lengths]
 
     greedy_decode(model, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids)  # warm-up
     rows = []
-    for label, rule, verify, budget in modes:
+    for label, rule, mode in modes:
         sampling = Sampling(temperature, rule=rule, seed=seed) if rule else None
         plain_tokens = plain_seconds = spec_tokens = spec_seconds = verify_seconds = decode_seconds = 0.0
         steps, identical, per_step = 0, 0, []
         for number, (_, prompt_ids) in enumerate(prompts):
-            speculation = session.speculation(tree_budget=budget) if budget else session.speculation(verify_tokens=verify)
+            speculation = session.speculation(mode)
             runs = {}
 
             def plain():

@@ -97,7 +97,7 @@ def main(hidden, target_json, steps, rounds, device, dry_run, work):
     torch.manual_seed(0)
     initial = DFlashDrafter(drafter_config)
     state = {"config": drafter_config, "weights": {k: v.clone() for k, v in initial.state_dict().items()}}
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    head = load_target_head(target, device=device)
     if config.train_vocab == "data":
         vocabulary = TrainingVocabulary.from_tokens(head, torch.cat([dataset[i].input_ids[dataset[i].loss_mask.bool()].long() for i in range(len(dataset))]))
     else:

@@ -1,7 +1,8 @@
 """The tree's shape, kept by tests: the package's wings are layers, each importing only itself and
-the wings below it; the stage wings never import each other; no import circle anywhere in the tree
-(src/, bench/, tools/, stages/, tests/support, tests/oracles); and every module a DVC stage runs is
-one of that stage's `deps` (so editing any of them makes exactly the stages that run it stale)."""
+the wings below it; the stage wings never import each other; code outside the decoding wing enters it
+through its two entry modules only; no import circle anywhere in the tree (src/, bench/, tools/,
+stages/, tests/support, tests/oracles); and every module a DVC stage runs is one of that stage's
+`deps` (so editing any of them makes exactly the stages that run it stale)."""
 
 import pytest
 import yaml
@@ -51,6 +52,61 @@ def upward_imports(graph: dict[str, set[str]], layers: dict[str, int]) -> list[s
     """Every wing-to-wing import that does not run strictly downwards."""
     return sorted(f"{wing} -> {other}" for wing, others in graph.items() for other in others
                   if layers.get(other, len(LAYERS)) >= layers.get(wing, -1))
+
+
+# The decoding wing's entries for outside code: the target alone (generate's batched answers, plain
+# decoding, forward costs) and speculation (the session, `Speculation`, `speculative_decode`).
+DECODING_ENTRIES = {"decoding.plain", "decoding.session"}
+# Outside code that reaches past them on purpose, each file with why: benches that time the
+# engine's own parts, and tests of a part's contract that no entry shows. The wing's own tests
+# (tests/decoding/) and the host loops it replaced (tests/oracles/) may import any of its modules.
+DECODING_INTERNALS_USED_BY = {
+    "bench/gpu/probe.py": "times the steps' phases and the graph runner on a GPU",
+    "tests/conftest.py": "`gpu_shaped_steps` switches the static decoder's CPU trim off",
+    "tests/support/speculation.py": "patches the speculative step's draft logits with an oracle",
+    "tests/evaluate/test_run.py": "fakes the loop's clock and the steps' prefill to time the prefill apart",
+    "tests/drafters/test_attention.py": "the static draft cache attends in the autocast dtype, as training does",
+    "tests/speculation/test_sampling.py": "the step's device acceptance passes the sampling rule's own test",
+    "tests/bench/test_device_paths.py": "the step's feature rounding equals the shards' round trip",
+}
+FREE_TO_IMPORT_DECODING = ("src/dflash_pipeline/decoding/", "tests/decoding/", "tests/oracles/")
+
+
+def decoding_internals_imported() -> dict[str, list[str]]:
+    """File (relative to the repository) -> the decoding modules other than the entries it imports,
+    for every Python file of src/, stages/, scripts/, bench/ and tests/ outside FREE_TO_IMPORT_DECODING."""
+    known, found = package_modules(), {}
+    for folder in ("src", "stages", "scripts", "bench", "tests"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            relative = path.relative_to(REPO_ROOT).as_posix()
+            if relative.startswith(FREE_TO_IMPORT_DECODING):
+                continue
+            internal = sorted(name for name in package_imports(path, known)
+                              if name.split(".")[0] == "decoding" and name not in DECODING_ENTRIES)
+            if internal:
+                found[relative] = internal
+    return found
+
+
+def test_outside_code_enters_decoding_through_its_two_entries():
+    """Issue #46: outside code entered the decoding wing through five modules. Now through two
+    (`plain`, `session`); the rest of the wing is internal, so its steps, loop and graph runner can
+    change without their callers. A file listed in DECODING_INTERNALS_USED_BY must still need to be."""
+    found = decoding_internals_imported()
+    unlisted = {path: names for path, names in found.items() if path not in DECODING_INTERNALS_USED_BY}
+    assert unlisted == {}, f"import these through decoding.plain or decoding.session, or list the file with why: {unlisted}"
+    assert sorted(set(DECODING_INTERNALS_USED_BY) - set(found)) == [], "listed, but imports only the entries now: drop it from the list"
+    assert all(module_path(entry).is_file() for entry in DECODING_ENTRIES)
+
+
+def test_the_entry_check_sees_an_internal_imported_every_way(tmp_path):
+    known = package_modules()
+    for line in ("from dflash_pipeline.decoding.loop import run_steps", "from dflash_pipeline.decoding import graphs",
+                 "import dflash_pipeline.decoding.static_speculation as static"):
+        (tmp_path / "user.py").write_text(f"def main():\n    {line}\n")
+        assert [name for name in package_imports(tmp_path / "user.py", known) if name not in DECODING_ENTRIES] != [], line
+    (tmp_path / "user.py").write_text("from dflash_pipeline.decoding.session import open_session\nfrom dflash_pipeline.decoding import plain\n")
+    assert package_imports(tmp_path / "user.py", known) == DECODING_ENTRIES
 
 
 def test_every_module_lives_in_a_wing_that_has_a_layer():
@@ -123,7 +179,7 @@ def test_a_stage_depends_on_every_package_module_it_runs(stage):
 def test_the_dependency_check_sees_function_level_and_indirect_imports(tmp_path):
     # evaluate's script imports the package inside main(); the drafter model comes in through scoring.
     evaluate = closure(REPO_ROOT / "stages" / "evaluate.py")
-    assert {"evaluate.run", "measure.scoring", "decoding.engine", "drafters.core", "data.blocks", "drafters.checkpoints",
+    assert {"evaluate.run", "measure.scoring", "decoding.session", "drafters.core", "data.blocks", "drafters.checkpoints",
             "drafters.serving", "target.load"} <= evaluate
     script = tmp_path / "stage.py"
     script.write_text("def main():\n    from dflash_pipeline.drafters.checkpoints import load_checkpoint\n")

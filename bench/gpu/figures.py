@@ -226,14 +226,12 @@ def split_figures(work: Path, target, *, device: str, prompts: int, max_new_toke
     decode step eager, docs/scale.md); in the dry run the CPU keeps the embedding and a layer (the tiny target is mostly embedding) and the rest
     is read from disk."""
     from dflash_pipeline.data.prompts import read_prompts
-    from dflash_pipeline.foundation.devices import timed
+    from dflash_pipeline.foundation.devices import compute_dtype, timed
     from dflash_pipeline.generate.run import decoding_engine, render_prompt, static_greedy_generate
     from dflash_pipeline.target.load import load_target
     from dflash_pipeline.target.placement import TargetPlacement, weight_bytes
 
-    import torch
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = compute_dtype(device)
     size = weight_bytes(target.path, dtype)
     budget = {0: size // 2, "cpu": 4 * size} if device.startswith("cuda") else {"cpu": int(size * 0.98)}
     placement = TargetPlacement(device_map="auto", max_memory=budget, offload_folder=str(work / "offload"))
@@ -302,9 +300,9 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
     loop (tests/oracles' `host_speculative_decode`: transformers' forward, a read back per step) and the
     static step (`static_speculation`), for plain decoding, the chain and a DDTree of 8, with
     whether their answers agree."""
-    from dflash_pipeline.decoding.session import open_session
-    from dflash_pipeline.decoding.loop import static_plain_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import Speculation, open_session
+    from dflash_pipeline.speculation.modes import DecodingMode
     from dflash_pipeline.target.load import LayerTap
     from oracles.decoding import host_greedy_decode, host_speculative_decode
     from oracles.drafting import drafter_proposer, tree_proposer
@@ -317,11 +315,12 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
     tap = LayerTap(model, list(drafter.config.target_layer_ids))
     chosen = [ids for _, ids in val_prompts(work / "generated" / "val.parquet", prompts)]
     common = dict(max_new_tokens=max_new_tokens, eos_ids=eos)
-    modes = {"plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: static_plain_decode(model, ids, **common))}
-    for name, budget in (("chain", None), ("tree8", 8)):
-        propose = drafter_proposer(drafter, head) if budget is None else tree_proposer(drafter, head, budget)
-        static = Speculation(drafter, head, tree_budget=budget)
-        modes[name] = (lambda ids, propose=propose: host_speculative_decode(model, tap, drafter, propose, ids, **common),
+    modes = {"plain": (lambda ids: host_greedy_decode(model, ids, **common), lambda ids: greedy_decode(model, ids, **common))}
+    speculative = (DecodingMode.chain(), DecodingMode.tree(8))
+    for mode in speculative:
+        propose = tree_proposer(drafter, head, mode.tree_budget) if mode.is_tree else drafter_proposer(drafter, head)
+        static = Speculation(drafter, head, mode)
+        modes[mode.name] = (lambda ids, propose=propose: host_speculative_decode(model, tap, drafter, propose, ids, **common),
                        lambda ids, static=static: static.decode(model, ids, **common))
     figures = {}
     for name, (host, static) in modes.items():
@@ -335,7 +334,7 @@ def engines_side_by_side(work: Path, target, checkpoint: Path, *, device: str, p
                          "static_over_host": round(rate["static"] / rate["host"], 3),
                          "identical": sum(a.tokens == b.tokens for a, b in zip(runs["host"], runs["static"]))}
     tap.remove()
-    for name in ("chain", "tree8"):
+    for name in (mode.name for mode in speculative):
         figures[name]["static_speedup_over_plain"] = round(figures[name]["static_tokens_per_s"] / figures["plain"]["static_tokens_per_s"], 3)
     print(f"  engines: {figures}", flush=True)
     return {"engines_side_by_side": figures, "plain_decode_ms_batch1_static": round(1000 / figures["plain"]["static_tokens_per_s"], 3)}
@@ -351,14 +350,14 @@ def batched_vs_one_block(work: Path, target, *, device: str, sequences: int) -> 
     from dflash_pipeline.data import blocks
     from dflash_pipeline.drafters.checkpoints import list_checkpoints, load_checkpoint
     from dflash_pipeline.drafters.attention import to_block_mask
-    from dflash_pipeline.foundation.devices import autocast, bf16_by_default, timed
+    from dflash_pipeline.foundation.devices import autocast, timed
     from dflash_pipeline.measure.scoring import score_teacher_forced
     from oracles.scoring import score_one_block_at_a_time
     from dflash_pipeline.data.shards import open_split
     from dflash_pipeline.target.load import load_target_head
 
     drafter, _ = load_checkpoint(list_checkpoints(work / "checkpoints")[-1], device=device)
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    head = load_target_head(target, device=device)
     val_set = open_split(work / "hidden" / "val")
     attention = "flex" if device.startswith("cuda") else "sdpa"
     chosen = list(range(min(sequences, len(val_set))))

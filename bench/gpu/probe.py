@@ -91,11 +91,12 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from dflash_pipeline.decoding.graphs import PhaseRunner  # noqa: E402
 from dflash_pipeline.decoding.loop import PhaseClock, PlainStep  # noqa: E402
+from dflash_pipeline.speculation.modes import DecodingMode  # noqa: E402
 from dflash_pipeline.speculation.sampling import Sampling  # noqa: E402
 from dflash_pipeline.decoding import static_decoder  # noqa: E402
 from dflash_pipeline.decoding.static_decoder import use_static_sdpa  # noqa: E402
 from dflash_pipeline.decoding.static_speculation import SpeculativeStep  # noqa: E402
-from dflash_pipeline.foundation.devices import configure_attention  # noqa: E402
+from dflash_pipeline.foundation.devices import compute_dtype, configure_attention  # noqa: E402
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.target.load import TargetHead  # noqa: E402
@@ -104,7 +105,7 @@ FIGURES["transformers"] = transformers.__version__
 static_decoder.TRIM_ON_CPU = False  # the dry run steps over the whole static length, as a GPU does (one shape, one compile)
 LAYERS = 30 if CUDA else 4
 TAPS = (1, 8, 14, 20, 27) if CUDA else (0, 1, 2, 3)
-DTYPE = torch.bfloat16 if CUDA else torch.float32
+DTYPE = compute_dtype(DEVICE)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 BATCHES = ((1, 150), (64, 100), (512, 40)) if CUDA else ((1, 6), (4, 4))
 config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -229,15 +230,20 @@ drafter = DFlashDrafter(DrafterConfig(hidden_size=576, intermediate_size=1536, n
 drafter.set_draft_vocab(torch.arange(3, 10003))  # a ~10K-token draft vocabulary, as the default run's
 
 
+TREE8 = DecodingMode.tree(8)
+# The step kinds timed: the plain step (no mode), then each speculative mode, the chain also sampled.
+STEP_KINDS = {"plain": None, "chain": DecodingMode.chain(), TREE8.name: TREE8, "sampled": DecodingMode.chain()}
+
+
 def phases(kind: str, steps: int) -> dict:
     """One step kind captured by PhaseRunner (as `loop.cached_step` does), each phase timed by events."""
     sampling = Sampling(1.0, rule="ratio", seed=0) if kind == "sampled" else None
+    mode = STEP_KINDS[kind]
     began = time.perf_counter()
-    if kind == "plain":
+    if mode is None:
         step = PlainStep(model, capacity=256, max_new_tokens=256, eos_ids={-1})
     else:
-        step = SpeculativeStep(model, drafter, head, capacity=256, max_new_tokens=256, eos_ids={-1}, sampling=sampling,
-                               tree_budget=8 if kind == "tree8" else None)
+        step = SpeculativeStep(model, drafter, head, capacity=256, max_new_tokens=256, eos_ids={-1}, mode=mode, sampling=sampling)
     step.generator = torch.Generator(device=DEVICE).manual_seed(0) if sampling is not None else None
     step.prefill(list(range(100, 196)), step.generator, 256)
     runner = PhaseRunner(step.phases(), state=step.graph_state(), device=step.device)
@@ -282,9 +288,9 @@ def main() -> None:
     part("attention", attention_backends, 30)
     part("plain_shipped", lambda: plain_all(False), 60)
     part("plain_cudnn_on", lambda: plain_all(True), 60)
-    for kind in ("plain", "chain", "tree8", "sampled"):
+    for kind in STEP_KINDS:
         part(f"phases_{kind}", lambda kind=kind: phases(kind, 100 if CUDA else 3), 40)
-    done = {k: FIGURES[f"phases_{k}"]["step_ms"] for k in ("plain", "chain", "tree8", "sampled") if "step_ms" in FIGURES[f"phases_{k}"]}
+    done = {k: FIGURES[f"phases_{k}"]["step_ms"] for k in STEP_KINDS if "step_ms" in FIGURES[f"phases_{k}"]}
     if "plain" in done:
         FIGURES["spec_cost_in_plain_steps"] = {k: round(ms / done["plain"], 3) for k, ms in done.items() if k != "plain"}
     part("flex", flex_autocast, 10)

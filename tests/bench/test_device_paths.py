@@ -11,7 +11,7 @@ compile, autocast, pin_memory, non_blocking, synchron), and where each one runs 
 | bf16 head / target on CUDA | train.setup_run, evaluate.run_evaluate, target.load_target (one line each) | the bf16 tests below build the same bf16 head and target |
 | bf16 capture (target forward in bf16) | capture.forward_batch under target.load_target's bf16 | test_bf16_capture_matches_fp32_within_bf16_rounding |
 | batched scoring under autocast with a bf16 head | evaluate.score_candidates | test_bf16_batched_scorer_agrees_with_the_one_block_reference |
-| speculative decoding, bf16 target + autocast drafter | engine.speculative_decode (`bf16`), is_near_tie | test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties |
+| speculative decoding, bf16 target + autocast drafter | session.speculative_decode (`bf16`), is_near_tie | test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties |
 | bf16 features kept on the device | static_speculation.stored_features | test_as_stored_bf16_equals_the_shard_round_trip |
 | synchronised timing | devices.synchronize / timed (engine, bench/*) | tests/foundation/test_devices.py::test_timing_helper (CPU: no-op sync) |
 | `non_blocking=True` copies | blocks.Batch.to | every train test (a plain copy on CPU); pinned memory is not used |
@@ -184,10 +184,11 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
     from oracles.decoding import host_speculative_decode
     from transformers import AutoModelForCausalLM
 
-    from dflash_pipeline.decoding.engine import greedy_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import Speculation
     from dflash_pipeline.measure.end_to_end import (
         EndToEndPrompt,
+        RunKey,
         end_to_end,
         first_difference,
         is_near_tie,
@@ -221,14 +222,14 @@ def test_bf16_speculative_decoding_equals_bf16_greedy_up_to_near_ties(tiny_llama
         # the rigged drafter proposes through the host oracle loop (a proposal is no tensor-level drafter)
         rigged = host_speculative_decode(target, tap, drafter, knows_the_answer(answer, len(ids)), ids, max_new_tokens=24, eos_ids={2},
                                          feature_dtype="bf16", bf16=True)
-        results.append(EndToEndPrompt(result.prompt_id, result.plain, {**result.speculative, "rigged": rigged},
-                                      {**result.near_ties, "rigged": is_near_tie(target, ids, result.plain.tokens, rigged.tokens, position)
+        results.append(EndToEndPrompt(result.prompt_id, result.plain, {**result.speculative, RunKey("rigged"): rigged},
+                                      {**result.near_ties, RunKey("rigged"): is_near_tie(target, ids, result.plain.tokens, rigged.tokens, position)
                                        if (position := first_difference(result.plain.tokens, rigged.tokens)) is not None else False}))
     for name in ("untrained", "rigged"):
-        summary = summarize_end_to_end(results, name)
+        summary = summarize_end_to_end(results, RunKey(name))
         assert summary.lossless_rate >= 0.5, summary.mismatches
         assert all(mismatch.near_tie for mismatch in summary.mismatches), summary.mismatches
-    assert any(5 in r.speculative["rigged"].steps for r in results)  # whole blocks accepted
+    assert any(5 in r.speculative[RunKey("rigged")].steps for r in results)  # whole blocks accepted
 
     # The tie test itself: the same token is a tie; the token the target ranks last is not.
     prompt, answer = prompts[0][1], results[0].plain.tokens

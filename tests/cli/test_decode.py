@@ -41,8 +41,11 @@ def test_decode_streams_the_answer_and_at_t0_equals_plain_decoding(cli_run, tiny
                   "--tree-budget", 6, "--compare")
     assert tree.exit_code == 0, tree.output
     assert "speculative (greedy, tree of 6): 24 tokens" in tree.stdout and tree.stdout.strip().endswith("identical answers"), tree.stdout
+    # the mode's one rule of a tree, worded by the options given (`modes.check_tree_rule`)
     assert_one_line_error(invoke("decode", "hi", "--target", cli_run.target_json, "--drafter", cli_run.export, "--tree-budget", 4,
-                                 "--temperature", 1), "--tree-budget")
+                                 "--temperature", 1), "--tree-budget: tree verification is greedy", "(drop --temperature)")
+    assert_one_line_error(invoke("decode", "hi", "--target", cli_run.target_json, "--drafter", cli_run.export, "--tree-budget", 4,
+                                 "--verify-tokens", 2, "--temperature", 1), "(drop --temperature / --verify-tokens)")
     sampled = [invoke("decode", "Explain recursion.", "--target", cli_run.target_json, "--drafter", cli_run.checkpoint, "--max-new-tokens", 16,
                       "--temperature", "0.8", "--rule", rule, "--seed", 3).stdout for rule in ("ratio", "ratio", "match")]
     assert sampled[0].splitlines()[:-1] == sampled[1].splitlines()[:-1]  # the same seed samples the same answer

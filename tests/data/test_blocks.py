@@ -58,10 +58,10 @@ def test_soft_targets_are_the_targets_distribution_one_position_before_each_slot
     one = sample(list(range(10, 16)), [0, 1, 1, 1, 1, 1], top_k=2)
     batch = build_batch([one], anchors_per_sequence=1, block_size=3, mask_token_id=0, anchor_seeds=[0])
     anchor = int(batch.anchors[0])
-    targets = training_targets(batch, [one], 1.0)
+    targets = training_targets(batch, [one], 1.0, block_size=3)
     assert targets.soft_ids[0].tolist() == [one.target_topk_ids[anchor].tolist(), one.target_topk_ids[anchor + 1].tolist()]
     plain = sample(list(range(6)), [0, 1, 1, 1, 1, 1])
-    without = training_targets(build_batch([plain], anchors_per_sequence=1, block_size=3, mask_token_id=0, anchor_seeds=[0]), [plain], 1.0)
+    without = training_targets(build_batch([plain], anchors_per_sequence=1, block_size=3, mask_token_id=0, anchor_seeds=[0]), [plain], 1.0, block_size=3)
     assert without.soft_ids is None and without.soft_logprobs is None
     assert not hasattr(batch, "weights") and not hasattr(batch, "soft_ids")  # training's fields are training's to build
 

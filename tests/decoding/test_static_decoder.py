@@ -30,7 +30,7 @@ def test_generate_decodes_on_the_static_step_on_every_device_and_refuses_what_it
 
     model = tiny_target[0]
     assert supports(model) and decoding_engine(model) == "static-kv"
-    monkeypatch.setattr("dflash_pipeline.decoding.loop.model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr("dflash_pipeline.decoding.plain.model_device", lambda model: torch.device("cuda"))
     assert decoding_engine(model) == "static-kv-cuda-graph"
     # A target split over devices (`target.placement`) is never captured as a graph: eager, same answers.
     monkeypatch.setattr(model, "hf_device_map", {"model.embed_tokens": 0, "model.layers": "cpu"}, raising=False)
@@ -293,8 +293,8 @@ def test_one_cache_tensor_per_layer_decodes_what_the_stacked_cache_decodes(tiny_
     from support.drafters import randomize
 
     from dflash_pipeline.decoding import static_decoder
-    from dflash_pipeline.decoding.engine import speculative_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.session import Speculation, speculative_decode
+    from dflash_pipeline.speculation.modes import DecodingMode
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.generate.run import greedy_generate
 
@@ -308,7 +308,7 @@ def test_one_cache_tensor_per_layer_decodes_what_the_stacked_cache_decodes(tiny_
     for per_layer in (False, True):
         monkeypatch.setattr(static_decoder, "PER_LAYER_CACHE", per_layer)
         answers = greedy_generate(model, prompts, max_new_tokens=16, eos_ids={2}, pad_id=2)
-        tree = speculative_decode(model, Speculation(dflash2, head, tree_budget=6), prompt, max_new_tokens=24, eos_ids={2})
+        tree = speculative_decode(model, Speculation(dflash2, head, DecodingMode.tree(6)), prompt, max_new_tokens=24, eos_ids={2})
         runs.append(([a.token_ids for a in answers], tree.tokens, tree.steps))
     assert runs[0] == runs[1]
 

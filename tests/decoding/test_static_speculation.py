@@ -15,8 +15,9 @@ from support.device_reads import DeviceReads, Paused
 from support.speculation import host_proposer, install_oracle
 
 import dflash_pipeline.decoding.static_speculation as static
-from dflash_pipeline.decoding.loop import static_plain_decode
+from dflash_pipeline.decoding.plain import greedy_decode
 from dflash_pipeline.decoding.static_speculation import Speculation
+from dflash_pipeline.speculation.modes import DecodingMode
 from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms
 from dflash_pipeline.speculation.trees import ranked_candidates, ranked_candidates_on_device
 
@@ -32,13 +33,13 @@ def oracle(tiny_target, monkeypatch):
     return reference
 
 
-MODES = [dict(), dict(verify_tokens=2), dict(tree_budget=3), dict(tree_budget=8)]
+MODES = [DecodingMode.chain(), DecodingMode.chain(2), DecodingMode.tree(3), DecodingMode.tree(8)]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["chain", "chain-2", "tree-3", "tree-8"])
 def test_static_speculation_equals_plain_greedy_and_the_host_loop(tiny_target, oracle, mode):
     model, tap, head, drafter, prompt = tiny_target
-    run = Speculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    run = Speculation(drafter, head, mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
     assert run.tokens == oracle.tokens
     host = host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), prompt, max_new_tokens=MAX_NEW,
                                           eos_ids={2})
@@ -59,7 +60,7 @@ def test_a_tree_accepts_paths_through_second_ranked_nodes(tiny_target, oracle, m
         return count, path, bonus
 
     monkeypatch.setattr(static, "accept_greedy", watching)
-    run = Speculation(drafter, head, tree_budget=8).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
+    run = Speculation(drafter, head, DecodingMode.tree(8)).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})
     assert run.tokens == oracle.tokens and any(moved)
 
 
@@ -68,7 +69,7 @@ def test_plain_static_decoding_equals_transformers(tiny_target):
     for eos in ({2}, {-5}):
         reference = host_greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos)
         streamed = []
-        run = static_plain_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos, on_tokens=streamed.extend, read_every=5)
+        run = greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids=eos, on_tokens=streamed.extend, read_every=5)
         assert run.tokens == reference.tokens == streamed
 
 
@@ -106,13 +107,14 @@ def test_draws_from_uniforms_follow_the_distribution_and_never_take_a_zero():
 
 def _step(tiny_target, mode, sampling=None):
     model, tap, head, drafter, prompt = tiny_target
-    step = static.SpeculativeStep(model, drafter, head, capacity=64, max_new_tokens=200, eos_ids={-5}, sampling=sampling, **mode)
+    step = static.SpeculativeStep(model, drafter, head, capacity=64, max_new_tokens=200, eos_ids={-5}, mode=mode, sampling=sampling)
     step.generator = torch.Generator().manual_seed(0)
     step.prefill(prompt, step.generator)
     return step
 
 
-SAMPLED = [(dict(), None), (dict(tree_budget=6), None), (dict(), Sampling(0.8, rule="ratio", top_k=50)), (dict(), Sampling(1.0, rule="match"))]
+CHAIN = DecodingMode.chain()
+SAMPLED = [(CHAIN, None), (DecodingMode.tree(6), None), (CHAIN, Sampling(0.8, rule="ratio", top_k=50)), (CHAIN, Sampling(1.0, rule="match"))]
 
 
 class DeviceTraffic(DeviceReads):
@@ -175,7 +177,7 @@ def test_every_phase_compiles_whole_and_never_recompiles_over_64_steps(gpu_shape
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2-sliding", "gemma3"])
-@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+@pytest.mark.parametrize("mode", [DecodingMode.chain(), DecodingMode.tree(8)], ids=["chain", "tree-8"])
 def test_every_layout_speculates_token_for_token_what_it_decodes_plainly(kind, mode, monkeypatch):
     """Qwen3's q/k norms, a sliding window of 12 that a 48-token answer slides past (the tree's
     accepted path moves keys and their positions inside the static cache, which drops nothing),
@@ -194,24 +196,24 @@ def test_every_layout_speculates_token_for_token_what_it_decodes_plainly(kind, m
                                           num_key_value_heads=2, head_dim=16, vocab_size=1024, block_size=5,
                                           target_layer_ids=(1, 3), num_target_layers=4, mask_token_id=0)).eval()
     prompt = torch.randint(3, 1024, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    plain = static_plain_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
+    plain = greedy_decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert plain.tokens == expected[0, len(prompt):].tolist()
     install_oracle(monkeypatch, len(prompt), plain.tokens, model.config.vocab_size)
-    run = Speculation(drafter, head, **mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
+    run = Speculation(drafter, head, mode).decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={-1})
     assert run.tokens == plain.tokens
     assert max(run.steps) >= 3 and min(run.steps) == 1
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+@pytest.mark.parametrize("mode", [DecodingMode.chain(), DecodingMode.tree(8)], ids=["chain", "tree-8"])
 def test_at_the_gpu_read_interval_the_loop_plans_steps_by_tau_and_wastes_few_past_the_cap(tiny_target, oracle, mode, monkeypatch):
     """Issue #37 item 3: between two reads the loop runs ceil(tokens left / tau so far) steps, not
     min(READ_EVERY, tokens left), so a speculative decode (tau > 1) runs few steps past its cap.
     The GPU's read interval is forced here (a CPU reads every step); the steps run are counted at
     the draft phase, and the answer and every step's size are those of reading after each step."""
     import dflash_pipeline.decoding.loop as loop
-    from dflash_pipeline.decoding.engine import speculative_decode
+    from dflash_pipeline.decoding.session import speculative_decode
     from dflash_pipeline.foundation.devices import READ_EVERY
 
     model, tap, head, drafter, prompt = tiny_target
@@ -222,7 +224,7 @@ def test_at_the_gpu_read_interval_the_loop_plans_steps_by_tau_and_wastes_few_pas
     for every in (1, READ_EVERY):
         monkeypatch.setattr(loop, "default_read_every", lambda device, every=every: every)
         ran.clear()
-        run = speculative_decode(model, Speculation(drafter, head, **mode), prompt, max_new_tokens=MAX_NEW, eos_ids={-5})
+        run = speculative_decode(model, Speculation(drafter, head, mode), prompt, max_new_tokens=MAX_NEW, eos_ids={-5})
         runs[every] = (run, len(ran))
     (each, each_ran), (gpu, gpu_ran) = runs[1], runs[READ_EVERY]
     assert len(each.tokens) == MAX_NEW and each.tokens == gpu.tokens == oracle.tokens[:MAX_NEW]
@@ -282,9 +284,9 @@ def test_a_model_its_speculation_and_their_kept_steps_are_freed_with_the_last_re
     monkeypatch.setattr(loop, "PhaseRunner", recording)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     speculation = Speculation(drafter, head)
-    plain = static_plain_decode(model, prompt, max_new_tokens=8, eos_ids={2})
+    plain = greedy_decode(model, prompt, max_new_tokens=8, eos_ids={2})
     assert speculation.decode(model, prompt, max_new_tokens=8, eos_ids={2}).tokens == plain.tokens
-    static_plain_decode(model, prompt, max_new_tokens=8, eos_ids={2})  # kept: no new step
+    greedy_decode(model, prompt, max_new_tokens=8, eos_ids={2})  # kept: no new step
     assert len(kept) == 2 and all(step() is not None for step in kept)
     owners = [weakref.ref(model), weakref.ref(speculation)]
     del model, speculation
@@ -321,7 +323,7 @@ def test_a_new_drafter_state_is_loaded_into_the_tensors_a_captured_draft_graph_r
     assert ours.draft_layout == layout + 1 and ours.draft_head_weight(head).shape[0] == 100
 
 
-@pytest.mark.parametrize("mode", [dict(), dict(tree_budget=8)], ids=["chain", "tree-8"])
+@pytest.mark.parametrize("mode", [DecodingMode.chain(), DecodingMode.tree(8)], ids=["chain", "tree-8"])
 def test_after_a_new_drafter_state_the_kept_step_drafts_what_a_fresh_one_does(tiny_target, mode):
     """Issue #37 item 3: a kept speculative step after `load_state_dict` (same draft vocabulary
     length: loaded in place) and after `set_draft_vocab` of another length (the kept steps are
@@ -332,13 +334,13 @@ def test_after_a_new_drafter_state_the_kept_step_drafts_what_a_fresh_one_does(ti
     model, tap, head, drafter, prompt = tiny_target
     ours = _vocab_drafter(tiny_target, 1, torch.arange(0, 600, 2))
     theirs = _vocab_drafter(tiny_target, 2, torch.arange(1, 601, 2))
-    speculation = Speculation(ours, head, **mode)
+    speculation = Speculation(ours, head, mode)
     speculation.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2})  # builds and keeps the step
     for change in (lambda d: d.load_state_dict(theirs.state_dict()), lambda d: d.set_draft_vocab(torch.arange(1, 7))):
         change(ours)
         fresh_drafter = _vocab_drafter(tiny_target, 3, torch.zeros(0, dtype=torch.long))
         fresh_drafter.load_state_dict(ours.state_dict())
-        fresh = Speculation(fresh_drafter, head, **mode)
+        fresh = Speculation(fresh_drafter, head, mode)
         kept, new = (speculation.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2}),
                      fresh.decode(model, prompt, max_new_tokens=MAX_NEW, eos_ids={2}))
         assert (kept.tokens, kept.steps, kept.drafted) == (new.tokens, new.steps, new.drafted)

@@ -13,8 +13,7 @@ import pytest
 import torch
 from support.drafters import random_drafter
 
-from dflash_pipeline.decoding.engine import speculative_decode
-from dflash_pipeline.decoding.static_speculation import Speculation
+from dflash_pipeline.decoding.session import Speculation, speculative_decode
 from dflash_pipeline.drafters.config import DrafterConfig
 from dflash_pipeline.drafters.serving import export_drafter
 from dflash_pipeline.speculation.sampling import Sampling

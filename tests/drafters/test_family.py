@@ -176,8 +176,9 @@ def test_export_round_trip_and_config_round_trip(name, request, tmp_path):
 
 @pytest.mark.parametrize("name", every_member())
 def test_speculative_decoding_is_lossless(name, request, tiny_target):
-    from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import Speculation, speculative_decode
+    from dflash_pipeline.speculation.modes import DecodingMode
 
     if name == "gated-test":
         request.getfixturevalue("gated")
@@ -186,7 +187,7 @@ def test_speculative_decoding_is_lossless(name, request, tiny_target):
     torch.manual_seed(0)
     drafter = DFlashDrafter(replace(plain_drafter.config, architecture=name, options=options)).eval()
     plain = greedy_decode(model, prompt, max_new_tokens=12, eos_ids={2})
-    for speculation in (Speculation(drafter, head), Speculation(drafter, head, tree_budget=4)):
+    for speculation in (Speculation(drafter, head), Speculation(drafter, head, DecodingMode.tree(4))):
         run = speculative_decode(model, speculation, prompt, max_new_tokens=12, eos_ids={2}, feature_dtype="fp32")
         assert run.tokens == plain.tokens
 
@@ -215,8 +216,9 @@ def test_an_unknown_architecture_or_option_is_one_line_naming_the_key():
 
 def test_a_third_architecture_trains_scores_decodes_and_exports_with_no_edit_elsewhere(gated, tiny_run, tiny_target, tmp_path):
     from dflash_pipeline.data.shards import open_split
-    from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import Speculation, speculative_decode
+    from dflash_pipeline.speculation.modes import DecodingMode
     from dflash_pipeline.drafters.checkpoints import load_checkpoint
     from dflash_pipeline.drafters.serving import export_drafter, load_dflash_drafter
     from dflash_pipeline.foundation.config import TrainConfig

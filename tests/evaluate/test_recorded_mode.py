@@ -11,12 +11,15 @@ import pytest
 from support.best_records import EPYC, pipeline_run, tree4_record
 
 from dflash_pipeline.evaluate.recorded_mode import choose_decode_mode
+from dflash_pipeline.speculation.modes import DecodingMode
 
 
 def decode_mode(folder: Path, kind: str = "checkpoint", *, explicit=(), tree_budget=None, verify_tokens=None, machine=EPYC):
-    """(tree budget, verify tokens, the line) `decode` takes for a drafter of block size 16 at `folder`."""
-    mode, line = choose_decode_mode(drafter_dir=folder, kind=kind, block_size=16, tree_budget=tree_budget, verify_tokens=verify_tokens,
-                                    explicit=set(explicit), machine=machine)
+    """(tree budget, verify tokens, the line) `decode` takes for a drafter of block size 16 at `folder`,
+    given the options' mode (`tree_budget`, `verify_tokens`)."""
+    requested = DecodingMode(tree_budget=tree_budget, verify_tokens=verify_tokens)
+    mode, line = choose_decode_mode(drafter_dir=folder, kind=kind, block_size=16, requested=requested, explicit=set(explicit),
+                                    machine=machine)
     return mode.tree_budget, mode.verify_tokens, line
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support.helpers import REPO_ROOT
 
-from dflash_pipeline.decoding.loop import DecodeRun
+from dflash_pipeline.decoding.plain import DecodeRun
 from dflash_pipeline.evaluate.report import (
     console_lines,
     summary_table,
@@ -20,7 +20,7 @@ from dflash_pipeline.evaluate.report import (
 from dflash_pipeline.evaluate.run import EvaluationResult, choose_and_pair, summarize_decoding
 from dflash_pipeline.evaluate.best_mode import choose_decoding_mode
 from dflash_pipeline.foundation.files import write_metrics
-from dflash_pipeline.measure.end_to_end import EndToEndPrompt, summarize_end_to_end
+from dflash_pipeline.measure.end_to_end import EndToEndPrompt, RunKey, summarize_end_to_end
 from dflash_pipeline.measure.record import (
     CandidateRecord,
     Evaluation,
@@ -29,12 +29,14 @@ from dflash_pipeline.measure.record import (
 )
 from dflash_pipeline.measure.scoring import BlockScores, summarize_blocks
 from dflash_pipeline.measure.verify_plan import VerifyPlan
+from dflash_pipeline.speculation.modes import DecodingMode
 
 # ----------------------------------------------------------------------------- a fixed evaluation
 
 CATEGORIES = ["code", "math", "code", "chat"]  # of val sequences 0..3
 BUDGETS = [4, 8]
 TEMPERATURES = [0.6, 1.0]
+CHAINS = {"step_000200": RunKey("step_000200", DecodingMode.chain(3)), "zlab": RunKey("zlab", DecodingMode.chain(4))}  # their verify lengths
 # The golden file: the old flat eval.json, comparison rows and mismatch strings, written by the code
 # of a88b90c (report.flat_metrics and the summaries of that time) from exactly this fixture.
 GOLDEN = REPO_ROOT / "tests" / "golden" / "eval_before_record.json"
@@ -73,22 +75,23 @@ def fixed_decoding() -> tuple[list[EndToEndPrompt], dict[float, list[EndToEndPro
     three prompts: the chosen's chain parts from plain decoding on p1 at a near-tie, its tree of 8
     on p2 at a real difference."""
     answer = [[5, 6, 7, 8, 9, 10, 11], [3, 4, 4, 4, 5, 2], [9, 8, 7, 6, 5, 4, 3, 2]]
+    ours, zlab = CHAINS["step_000200"], CHAINS["zlab"]
+    tree4, tree8 = (RunKey("step_000200", DecodingMode.tree(budget)) for budget in BUDGETS)
     greedy, sampled = [], {t: [] for t in TEMPERATURES}
     for p, tokens in enumerate(answer):
         plain = _run(tokens, 0.71 + 0.13 * p, 0.052 + 0.01 * p)
         off = list(tokens)
         off[3] = 1
-        runs = {"step_000200": _run(off if p == 1 else tokens, 0.523 + 0.07 * p, 0.05, [3, 2, 1 + p], 0.301 + 0.05 * p, 0.117, 9),
-                "step_000200/tree4": _run(tokens, 0.611 + 0.03 * p, 0.05, [4, 2], 0.397, 0.121, 8),
-                "step_000200/tree8": _run(off if p == 2 else tokens, 0.689, 0.051, [4, 3], 0.463 + 0.02 * p, 0.122, 16),
-                "zlab": _run(tokens, 0.55 + 0.05 * p, 0.049, [2, 2, 2], 0.33, 0.109, 12),
-                "zlab/tree4": _run(tokens, 0.65, 0.05, [3, 3], 0.41, 0.12, 8),
-                "zlab/tree8": _run(tokens, 0.7, 0.05, [3, 4], 0.47, 0.125, 16)}
-        greedy.append(EndToEndPrompt(f"p{p}", plain, runs, near_ties={"step_000200": True} if p == 1 else
-                                     ({"step_000200/tree8": False} if p == 2 else {})))
+        runs = {ours: _run(off if p == 1 else tokens, 0.523 + 0.07 * p, 0.05, [3, 2, 1 + p], 0.301 + 0.05 * p, 0.117, 9),
+                tree4: _run(tokens, 0.611 + 0.03 * p, 0.05, [4, 2], 0.397, 0.121, 8),
+                tree8: _run(off if p == 2 else tokens, 0.689, 0.051, [4, 3], 0.463 + 0.02 * p, 0.122, 16),
+                zlab: _run(tokens, 0.55 + 0.05 * p, 0.049, [2, 2, 2], 0.33, 0.109, 12),
+                RunKey("zlab", DecodingMode.tree(4)): _run(tokens, 0.65, 0.05, [3, 3], 0.41, 0.12, 8),
+                RunKey("zlab", DecodingMode.tree(8)): _run(tokens, 0.7, 0.05, [3, 4], 0.47, 0.125, 16)}
+        greedy.append(EndToEndPrompt(f"p{p}", plain, runs, near_ties={ours: True} if p == 1 else ({tree8: False} if p == 2 else {})))
         for number, temperature in enumerate(TEMPERATURES):
-            spec = {name: _run(tokens[: 5 + number], 0.5 + 0.1 * number + 0.01 * p, 0.05, [2, 1 + number, 1], 0.3 + 0.02 * number, 0.11,
-                               9 + number) for name in ("step_000200", "zlab")}
+            spec = {key: _run(tokens[: 5 + number], 0.5 + 0.1 * number + 0.01 * p, 0.05, [2, 1 + number, 1], 0.3 + 0.02 * number, 0.11,
+                              9 + number) for key in (ours, zlab)}
             sampled[temperature].append(EndToEndPrompt(f"p{p}", _run(tokens[: 4 + p], 0.6 + 0.1 * p, 0.05), spec))
     return greedy, sampled
 
@@ -104,8 +107,8 @@ def fixed_evaluation() -> tuple[Evaluation, dict[str, BlockScores], list[EndToEn
     greedy, sampled = fixed_decoding()
     plan = VerifyPlan(tokens=3, forward_cost_steps={1: 1.0, 2: 1.041, 3: 1.103, 4: 1.187}, draft_cost_steps=0.2,
                       expected_rates=[1.3331, 1.4127, 1.3909, 1.3512])
-    decodings = {evaluation.chosen: summarize_decoding(evaluation.chosen, greedy, sampled, tree_budgets=BUDGETS, verify_tokens=3, plan=plan),
-                 "zlab": summarize_decoding("zlab", greedy, sampled, tree_budgets=BUDGETS, verify_tokens=4)}
+    decodings = {name: summarize_decoding(name, greedy, sampled, tree_budgets=BUDGETS, chain_mode=key.mode,
+                                          plan=plan if name == evaluation.chosen else None) for name, key in CHAINS.items()}
     candidates = [replace(c, decoding=decodings.get(c.name)) for c in evaluation.candidates]
     return replace(evaluation, candidates=candidates), blocks, greedy
 
@@ -197,6 +200,24 @@ def test_the_nested_metrics_hold_exactly_the_numbers_of_the_old_flat_keys(tmp_pa
         assert seen == set(row), f"{row['name']}: comparison keys without a row: {sorted(set(row) - seen)}"
 
 
+def test_runs_keyed_by_candidate_and_mode_are_written_under_the_names_they_always_had(tmp_path):
+    """Issue #46 item 3: evaluate keys its runs by `RunKey` (candidate, `DecodingMode`), not by
+    "name/tree8" strings; the files keep the names and the columns they had (e2e.json's per-prompt
+    keys, best_mode's columns in comparison.csv)."""
+    evaluation, blocks, greedy = fixed_evaluation()
+    assert all(isinstance(key, RunKey) for prompt in greedy for key in prompt.speculative)
+    result = EvaluationResult(record=evaluation, blocks=blocks, categories=CATEGORIES, prompt_ids=["a", "b", "c", "d"], e2e_results=greedy)
+    write_outputs(result, out_dir=tmp_path / "eval", metrics_path=tmp_path / "eval.json", plots_dir=tmp_path / "plots")
+    prompts = strict(tmp_path / "eval" / "e2e.json")["prompts"]
+    runs = {"step_000200", "step_000200/tree4", "step_000200/tree8", "zlab", "zlab/tree4", "zlab/tree8"}
+    assert all(set(prompt) - {"prompt_id", "plain_tokens", "plain_seconds", "plain_prefill_seconds"} == runs for prompt in prompts)
+    assert prompts[1]["step_000200"]["identical"] is False and prompts[2]["step_000200/tree8"]["identical"] is False
+    header = (tmp_path / "eval" / "comparison.csv").read_text().splitlines()[0].split(",")
+    best = [column for column in header if column.startswith("best_mode.")]
+    assert best[:7] == ["best_mode.mode", "best_mode.speedup", "best_mode.tau", "best_mode.tau_ci95", "best_mode.lossless_rate",
+                        "best_mode.verify_tokens", "best_mode.tree_budget"]
+
+
 def test_mismatches_are_structured_with_their_near_tie_flag(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     evaluation, _, greedy = fixed_evaluation()
@@ -211,7 +232,7 @@ def test_mismatches_are_structured_with_their_near_tie_flag(tmp_path):
     assert details["chain"]["mismatches"] == [{"prompt_id": "p1", "position": 3, "near_tie": True}]
     assert details["tree"]["8"]["mismatches"] == [{"prompt_id": "p2", "position": 3, "near_tie": False}]
     assert "mismatches" not in to_metrics(evaluation)["chain"]  # eval.json keeps the counts
-    summary = summarize_end_to_end(greedy, "step_000200")
+    summary = summarize_end_to_end(greedy, CHAINS["step_000200"])
     assert summary.mismatches[0].near_tie and summary.lossless_rate == pytest.approx(2 / 3, abs=1e-4)
 
 

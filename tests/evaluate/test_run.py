@@ -12,20 +12,20 @@ from oracles.drafting import DraftCache, Proposal, draft_block, verified_prefix
 from oracles.scoring import score_one_block_at_a_time
 from support.targets import ScriptedTarget, small_vocab_setup
 
-from dflash_pipeline.decoding.loop import DecodeRun
-from dflash_pipeline.decoding.engine import forward_costs, greedy_decode, speculative_decode
-from dflash_pipeline.decoding.static_speculation import Speculation
+from dflash_pipeline.decoding.plain import DecodeRun, forward_costs, greedy_decode
+from dflash_pipeline.decoding.session import Speculation, speculative_decode
 from dflash_pipeline.drafters.core import DFlashDrafter
 from dflash_pipeline.drafters.loading import check_drafter_contract
 from dflash_pipeline.evaluate.run import select_checkpoints, val_prompts
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.measure.end_to_end import EndToEndPrompt, summarize_end_to_end
+from dflash_pipeline.measure.end_to_end import EndToEndPrompt, RunKey, summarize_end_to_end
 from dflash_pipeline.measure.record import Mismatch
 from dflash_pipeline.measure.scoring import (
     BlockScores, _score_logits, comparison_verdict, ddtree_streak, ddtree_streaks, logits_into, paired_difference,
     per_slot_acceptance, score_teacher_forced, summarize_blocks,
 )
 from dflash_pipeline.foundation.stats import acceptance_length
+from dflash_pipeline.speculation.modes import DecodingMode
 from dflash_pipeline.measure.verify_plan import choose_verify_tokens
 from dflash_pipeline.target.load import TargetHead
 
@@ -321,7 +321,7 @@ def test_a_dflash2_drafter_decodes_losslessly_with_its_selector(tiny_target, mod
     dflash2 = randomize(DFlashDrafter(replace(drafter.config, architecture="dflash2", options=dict(conv_kernel_size=2, conv_group_size=16,
                                               selector_rank=8, selector_top_k=4))), seed=2)
     if mode in ("chain", "tree"):
-        speculation = Speculation(dflash2, head, tree_budget=6 if mode == "tree" else None)
+        speculation = Speculation(dflash2, head, DecodingMode.tree(6) if mode == "tree" else DecodingMode.chain())
         plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
         assert speculative_decode(model, speculation, prompt, max_new_tokens=30, eos_ids={2}).tokens == plain.tokens
         return
@@ -362,14 +362,14 @@ def test_end_to_end_summary_reports_mismatch_position_and_break_even():
     plain = DecodeRun(tokens=[5, 6, 7, 8, 9], seconds=1.0, prefill_seconds=0.2)  # 4 decode steps of 0.2 s
     same = DecodeRun(tokens=[5, 6, 7, 8, 9], seconds=0.6, prefill_seconds=0.2, steps=[3, 2], verify_seconds=0.3, draft_seconds=0.1)
     differs = DecodeRun(tokens=[5, 6, 1, 8, 9], seconds=0.6, prefill_seconds=0.2, steps=[2, 3], verify_seconds=0.3, draft_seconds=0.1)
-    results = [EndToEndPrompt("p-ok", plain, {"d": same}), EndToEndPrompt("p-bad", plain, {"d": differs})]
-    summary = summarize_end_to_end(results, "d")
+    results = [EndToEndPrompt("p-ok", plain, {RunKey("d"): same}), EndToEndPrompt("p-bad", plain, {RunKey("d"): differs})]
+    summary = summarize_end_to_end(results, RunKey("d"))
     assert summary.lossless_rate == 0.5 and summary.mismatches == [Mismatch(prompt_id="p-bad", position=2, near_tie=False)]
     assert summary.tau.mean == pytest.approx(2.5) and summary.speedup == pytest.approx(1.0 / 0.6, rel=1e-3)
     # a speculative step costs (0.3 + 0.1) / 2 = 0.2 s, a plain decode step 0.2 s: break-even at tau 1
     assert summary.break_even_tau == pytest.approx(1.0) and summary.verify_cost_steps == pytest.approx(0.75)
     # the same parting at a near-tie of the target is flagged as such, not found in a string
-    tie = summarize_end_to_end([results[0], replace(results[1], near_ties={"d": True})], "d")
+    tie = summarize_end_to_end([results[0], replace(results[1], near_ties={RunKey("d"): True})], RunKey("d"))
     assert tie.mismatches == [Mismatch(prompt_id="p-bad", position=2, near_tie=True)] and tie.near_tie_mismatches == 1
 
 
@@ -618,7 +618,7 @@ def test_the_prefill_is_timed_apart_and_the_decode_figures_leave_it_out_on_both_
     for run in (plain, spec):
         assert 100.0 < run.prefill_seconds < 100.01 and 0 < run.decode_seconds < 1.0
         assert run.seconds == pytest.approx(run.prefill_seconds + run.decode_seconds)
-    summary = summarize_end_to_end([EndToEndPrompt("p", plain, {"d": spec})], "d")
+    summary = summarize_end_to_end([EndToEndPrompt("p", plain, {RunKey("d"): spec})], RunKey("d"))
     assert summary.plain_decode_tokens_per_s == pytest.approx((len(plain.tokens) - 1) / plain.decode_seconds, rel=1e-3)
     assert summary.spec_decode_tokens_per_s == pytest.approx((len(spec.tokens) - 1) / spec.decode_seconds, rel=1e-3)
     assert summary.decode_speedup == pytest.approx(summary.spec_decode_tokens_per_s / summary.plain_decode_tokens_per_s, rel=1e-3)

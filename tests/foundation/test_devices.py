@@ -68,3 +68,19 @@ def test_timing_helper():
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
     with devices.autocast("cpu"):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_the_targets_dtype_is_chosen_in_one_place():
+    """bf16 on CUDA, fp32 on a CPU (`devices.compute_dtype`), for the target's weights and its
+    frozen head alike; it was spelled out at six call sites (issue #46)."""
+    import re
+
+    from support.helpers import REPO_ROOT
+
+    assert devices.compute_dtype("cpu") == torch.float32
+    assert devices.compute_dtype("cuda") == devices.compute_dtype("cuda:1") == torch.bfloat16
+    spelled = re.compile(r"torch\.bfloat16 if .*(cuda|bf16_by_default|CUDA).* else torch\.float32")
+    files = [path for folder in ("src", "bench", "stages") for path in sorted((REPO_ROOT / folder).rglob("*.py"))]
+    offenders = [f"{path.relative_to(REPO_ROOT)}:{number}" for path in files if path.name != "devices.py"
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if spelled.search(line)]
+    assert offenders == []

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_pipeline.foundation.errors import PipelineError
-from dflash_pipeline.foundation.tensor_files import load_safetensors, safetensors_header
+from dflash_pipeline.foundation.tensor_files import load_safetensors, safetensors_header, safetensors_header_bytes
 
 
 def test_header_and_tensors_read_back_what_was_written(tmp_path):
@@ -35,3 +35,18 @@ def test_a_missing_cut_or_foreign_file_is_one_line_naming_it(tmp_path, damage, w
         with pytest.raises(PipelineError, match=rf"^{path}: {why}") as raised:
             read(path)
         assert "\n" not in str(raised.value)
+
+
+def test_the_raw_header_is_the_files_own_bytes_and_a_short_or_missing_file_is_one_line(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.randn(4, 4)}, path, metadata={"format": "pt"})
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    assert safetensors_header_bytes(path) == data[8 : 8 + length] and data[8:9] == b"{"
+    for damaged in (data[: 8 + length // 2], data[:5], b'{"not": "safetensors"}'):
+        path.write_bytes(damaged)
+        with pytest.raises(PipelineError, match=rf"^{path}: unreadable safetensors file"):
+            safetensors_header_bytes(path)
+    path.unlink()
+    with pytest.raises(PipelineError, match=rf"^{path}: missing$"):
+        safetensors_header_bytes(path)

@@ -15,8 +15,9 @@ from oracles.trees import (
 )
 from support.decoding import plain_logits, prefilled
 
-from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
-from dflash_pipeline.decoding.static_speculation import Speculation
+from dflash_pipeline.decoding.plain import greedy_decode
+from dflash_pipeline.decoding.session import Speculation, speculative_decode
+from dflash_pipeline.speculation.modes import DecodingMode
 
 
 @pytest.fixture
@@ -110,6 +111,6 @@ def test_an_eos_inside_the_tree_ends_the_answer_and_a_rejected_tree_commits_the_
 def test_tree_decoding_with_a_real_drafter_equals_plain_greedy(tiny_target, budget):
     model, _, head, drafter, prompt = tiny_target
     plain = greedy_decode(model, prompt, max_new_tokens=30, eos_ids={2})
-    run = speculative_decode(model, Speculation(drafter, head, tree_budget=budget), prompt, max_new_tokens=30, eos_ids={2})
+    run = speculative_decode(model, Speculation(drafter, head, DecodingMode.tree(budget)), prompt, max_new_tokens=30, eos_ids={2})
     assert run.tokens == plain.tokens
     assert run.drafted == budget * len(run.steps)

@@ -5,6 +5,7 @@ import torch
 from oracles.drafting import drafter_proposer, tree_proposer, verified_prefix
 
 import dflash_pipeline.decoding.static_speculation as static
+from dflash_pipeline.speculation.modes import DecodingMode
 
 
 def install_oracle(monkeypatch, prompt_length: int, answer: list[int], vocab: int) -> "Oracle":
@@ -40,12 +41,12 @@ def install_oracle(monkeypatch, prompt_length: int, answer: list[int], vocab: in
     monkeypatch.setattr(host_drafting, "draft_block", host_block)
     return table
 
-def host_proposer(drafter, head, mode: dict):
-    """The host loop's proposer of one of MODES."""
-    if "tree_budget" in mode:
-        return tree_proposer(drafter, head, mode["tree_budget"])
+def host_proposer(drafter, head, mode: DecodingMode):
+    """The host loop's proposer of a decoding mode."""
+    if mode.is_tree:
+        return tree_proposer(drafter, head, mode.tree_budget)
     propose = drafter_proposer(drafter, head)
-    return verified_prefix(propose, mode["verify_tokens"]) if "verify_tokens" in mode else propose
+    return verified_prefix(propose, mode.verify_tokens) if mode.verify_tokens is not None else propose
 
 
 class Oracle:

@@ -186,8 +186,9 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
     from oracles.decoding import host_greedy_decode, host_speculative_decode
     from support.speculation import host_proposer, install_oracle
 
-    from dflash_pipeline.decoding.loop import static_plain_decode
-    from dflash_pipeline.decoding.static_speculation import Speculation
+    from dflash_pipeline.decoding.plain import greedy_decode
+    from dflash_pipeline.decoding.session import Speculation
+    from dflash_pipeline.speculation.modes import DecodingMode
     from dflash_pipeline.drafters.core import DFlashDrafter
     from dflash_pipeline.drafters.config import DrafterConfig
     from dflash_pipeline.target.load import LayerTap, TargetHead, load_target
@@ -205,11 +206,11 @@ def test_static_speculation_on_the_real_target_equals_plain_greedy_and_the_host_
     for prompt in prompts:
         ids = render_prompt(tokenizer, prompt, system_prompt=None, enable_thinking=False)
         reference = host_greedy_decode(model, ids, max_new_tokens=24, eos_ids={2})
-        assert static_plain_decode(model, ids, max_new_tokens=24, eos_ids={2}).tokens == reference.tokens
+        assert greedy_decode(model, ids, max_new_tokens=24, eos_ids={2}).tokens == reference.tokens
         with monkeypatch.context() as patch:
             install_oracle(patch, len(ids), reference.tokens, config.vocab_size)
-            for mode in (dict(), dict(tree_budget=8)):
-                run = Speculation(drafter, head, **mode).decode(model, ids, max_new_tokens=24, eos_ids={2}, feature_dtype="bf16")
+            for mode in (DecodingMode.chain(), DecodingMode.tree(8)):
+                run = Speculation(drafter, head, mode).decode(model, ids, max_new_tokens=24, eos_ids={2}, feature_dtype="bf16")
                 host = host_speculative_decode(model, tap, drafter, host_proposer(drafter, head, mode), ids, max_new_tokens=24,
                                                       eos_ids={2}, feature_dtype="bf16")
                 assert run.tokens == reference.tokens == host.tokens and run.steps == host.steps and max(run.steps) >= 3

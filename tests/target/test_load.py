@@ -89,6 +89,22 @@ def test_fingerprint_is_stable_and_tracks_config_weights_tokenizer_and_template(
     changed("weights", lambda: save_file(weights, model / "model.safetensors", metadata={"format": "pt"}))
 
 
+def test_the_weights_hash_is_the_headers_bytes_as_stored(tiny_llama_dir):
+    """Every fingerprint a run recorded (target.json, the shards, checkpoints) hashes each weight
+    file's header bytes as stored: read through the one safetensors reader now
+    (`tensor_files.safetensors_header_bytes`), they must hash to the same digest as ever."""
+    import hashlib
+
+    from dflash_pipeline.target.load import _weights_index_hash
+
+    digest = hashlib.sha256()
+    for file in sorted(tiny_llama_dir.glob("*.safetensors")):
+        data = file.read_bytes()
+        digest.update(f"{file.name}:{len(data)}".encode())
+        digest.update(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    assert _weights_index_hash(tiny_llama_dir) == digest.hexdigest()
+
+
 @pytest.mark.parametrize(
     "name, message",
     [

@@ -40,7 +40,7 @@ def drafter_head_samples():
 
 def batch_of(samples, seeds):
     batch = build_batch(samples, anchors_per_sequence=5, block_size=4, mask_token_id=VOCAB - 1, anchor_seeds=seeds)
-    return batch, training_targets(batch, samples, 2.5)
+    return batch, training_targets(batch, samples, 2.5, block_size=4)
 
 
 @pytest.mark.parametrize("block_size, gamma", [(16, 7.0), (8, 4.0), (4, 2.5), (12, 5.5), (2, 1.75)])
@@ -128,11 +128,22 @@ def test_anchors_labels_and_weights_follow_the_recipe():
     assert batch.labels.tolist()[0] == [13, 14, 15]
     decay = decay_weights(4, 4.0).tolist()
     # Anchor 2: slot 3 predicts position 5, outside the answer; anchor 6: slots past the end weigh 0.
-    weights = training_targets(batch, [sample], 4.0).weights
+    weights = training_targets(batch, [sample], 4.0, block_size=4).weights
     assert weights.tolist()[0] == pytest.approx([decay[0], decay[1], 0.0])
     assert weights.tolist()[2] == pytest.approx([decay[0], 0.0, 0.0])
     again = build_batch([sample], anchors_per_sequence=2, block_size=4, mask_token_id=99, anchor_seeds=[5])
     assert torch.equal(again.block_ids, build_batch([sample], anchors_per_sequence=2, block_size=4, mask_token_id=99, anchor_seeds=[5]).block_ids)
+
+
+def test_the_decay_runs_over_the_drafters_block_and_a_batch_of_another_is_refused():
+    """The drafter's config is the truth of the block geometry (train.prepare passes its block
+    size): the loss weights decay over its B-1 slots, and a batch packed for another drafter is
+    refused in one line instead of decaying over the batch's own block."""
+    sample = _sample([10, 11, 12, 13, 14, 15, 16, 17], [0, 0, 1, 1, 1, 0, 1, 1])
+    batch = build_batch([sample], anchors_per_sequence=10, block_size=4, mask_token_id=99, anchor_seeds=[0])
+    assert training_targets(batch, [sample], 4.0, block_size=4).weights.shape == (3, 3)
+    with pytest.raises(PipelineError, match=r"^train: a batch of blocks of 4 for a drafter of block size 8$"):
+        training_targets(batch, [sample], 4.0, block_size=8)
 
 
 def test_data_vocabulary_softmax_is_the_full_softmax_restricted_to_those_rows():
@@ -214,12 +225,12 @@ def test_each_slot_is_distilled_from_the_target_distribution_before_it():
     sample.target_topk_ids = torch.stack([positions * 100, positions * 100 + 1], dim=1)
     sample.target_topk_logprobs = -positions.float()[:, None].repeat(1, 2)
     batch = build_batch([sample], anchors_per_sequence=10, block_size=4, mask_token_id=99, anchor_seeds=[0])
-    targets = training_targets(batch, [sample], 4.0)
+    targets = training_targets(batch, [sample], 4.0, block_size=4)
     for block, anchor in enumerate(batch.anchors.tolist()):
         expected = [min(anchor + k, len(ids) - 1) - 1 for k in (1, 2, 3)]
         assert (targets.soft_ids[block, :, 0] // 100).tolist() == expected
         assert (-targets.soft_logprobs[block, :, 0]).tolist() == expected
-    assert training_targets(build_batch([_sample(ids, [0, 0, 1, 1, 1, 1, 1, 1])], anchors_per_sequence=2, block_size=4, mask_token_id=99, anchor_seeds=[0]), [_sample(ids, [0, 0, 1, 1, 1, 1, 1, 1])], 4.0).soft_ids is None
+    assert training_targets(build_batch([_sample(ids, [0, 0, 1, 1, 1, 1, 1, 1])], anchors_per_sequence=2, block_size=4, mask_token_id=99, anchor_seeds=[0]), [_sample(ids, [0, 0, 1, 1, 1, 1, 1, 1])], 4.0, block_size=4).soft_ids is None
 
 
 def test_selector_loss_is_k_way_cross_entropy_with_the_answer_put_in_when_missing():
@@ -276,7 +287,7 @@ def test_a_tiny_dflash2_drafter_overfits_one_batch_and_its_selector_learns():
     for sample in samples:
         sample.features.normal_()
     batch = build_batch(samples, anchors_per_sequence=6, block_size=4, mask_token_id=49, anchor_seeds=[0, 1])
-    targets = training_targets(batch, samples, 4.0)
+    targets = training_targets(batch, samples, 4.0, block_size=4)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     curve = []
     for _ in range(60):

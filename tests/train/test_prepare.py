@@ -61,7 +61,7 @@ def test_prepared_batches_and_targets_equal_the_per_sequence_preparation(seed):
                     anchor_seeds=[seed * 100 + i for i in range(len(samples))], sliding_window=[None, 3, 40][seed % 3])
     _assert_equal_batches(build_batch(samples, **settings), per_sequence_build_batch(samples, **settings))
     new, old = build_batch(samples, **settings), per_sequence_build_batch(samples, **settings)
-    _assert_equal_targets(training_targets(new, samples, 2.5), gathered_training_targets(old, samples, 2.5))
+    _assert_equal_targets(training_targets(new, samples, 2.5, block_size=settings["block_size"]), gathered_training_targets(old, samples, 2.5))
     starts = [5 * i for i in range(len(samples))]
     resident = build_batch(samples, **settings, feature_starts=starts)
     _assert_equal_batches(resident, per_sequence_build_batch(samples, **settings, feature_starts=starts))
@@ -115,9 +115,9 @@ def test_targets_are_pinned_only_for_a_gpu(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: pinned.append(tuple(self.shape)) or self)
     samples = random_samples(1, count=3, top_k=4)
     batch = build_batch(samples, anchors_per_sequence=3, block_size=4, mask_token_id=7, anchor_seeds=[0, 1, 2])
-    training_targets(batch, samples, 2.5)
+    training_targets(batch, samples, 2.5, block_size=4)
     assert pinned == []
-    targets = training_targets(batch, samples, 2.5, pin_memory=True)
+    targets = training_targets(batch, samples, 2.5, block_size=4, pin_memory=True)
     assert pinned == [tuple(targets.weights.shape), tuple(targets.soft_ids.shape), tuple(targets.soft_logprobs.shape)]
 
     seen = []

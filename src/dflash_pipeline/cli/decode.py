@@ -61,17 +61,17 @@ def decode(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, se
           --drafter data/export/drafter --temperature 0.7 --compare
     """
     from dflash_pipeline.data.prompts import Prompt
-    from dflash_pipeline.speculation.sampling import Sampling
-    from dflash_pipeline.decoding.engine import speculation_engine
     from dflash_pipeline.decoding.session import open_session
     from dflash_pipeline.drafters.loading import load_drafter_folder
     from dflash_pipeline.generate.run import render_prompt
+    from dflash_pipeline.speculation.modes import DecodingMode
+    from dflash_pipeline.speculation.sampling import Sampling
 
-    if tree_budget is not None and (temperature > 0 or verify_tokens is not None):
-        raise PipelineError("--tree-budget: tree verification is greedy and verifies the whole tree (drop --temperature / --verify-tokens)")
+    sampling = Sampling(temperature, rule=rule, top_k=top_k, top_p=top_p, seed=seed) if temperature > 0 else None
+    mode = DecodingMode.of(tree_budget=tree_budget, verify_tokens=verify_tokens, sampled=sampling is not None,
+                           names=("--tree-budget", "--verify-tokens", "--temperature"))
     target = target_info(target_path)
     loaded = load_drafter_folder(drafter_dir, target=target, device=device)
-    sampling = Sampling(temperature, rule=rule, top_k=top_k, top_p=top_p, seed=seed) if temperature > 0 else None
     if sampling is None:  # the mode that pays best is a greedy measurement: evaluate's, unless the options choose
         from dflash_pipeline.evaluate.recorded_mode import choose_decode_mode
         from dflash_pipeline.foundation.devices import machine_description
@@ -79,10 +79,8 @@ def decode(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, se
         context = click.get_current_context()
         explicit = {name for name in ("tree_budget", "verify_tokens")
                     if context.get_parameter_source(name) not in (None, ParameterSource.DEFAULT)}
-        chosen, line = choose_decode_mode(
-            drafter_dir=drafter_dir, kind=loaded.kind, block_size=loaded.drafter.config.block_size, tree_budget=tree_budget,
-            verify_tokens=verify_tokens, explicit=explicit, machine=f"{device} on {machine_description()}")
-        tree_budget, verify_tokens = chosen.tree_budget, chosen.verify_tokens
+        mode, line = choose_decode_mode(drafter_dir=drafter_dir, kind=loaded.kind, block_size=loaded.drafter.config.block_size,
+                                        requested=mode, explicit=explicit, machine=f"{device} on {machine_description()}")
         click.echo(line)
     session = open_session(target, loaded.drafter, device=device)
     prompt_ids = render_prompt(session.tokenizer, Prompt(id="cli", messages=(("user", prompt),), category="cli", split="val", source_line=0),
@@ -92,7 +90,7 @@ def decode(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, se
         raise PipelineError(f"PROMPT is {len(prompt_ids)} tokens in the target's chat template; with --max-new-tokens {max_new_tokens} "
                             f"that is {len(prompt_ids) + max_new_tokens}, past the target's context of {context} tokens "
                             f"(max_position_embeddings in {target_path}): shorten the prompt or lower --max-new-tokens")
-    speculation = session.speculation(tree_budget=tree_budget, verify_tokens=verify_tokens)
+    speculation = session.speculation(mode)
     if compare:  # first-call allocations and kernel choice would otherwise fall on the side that runs first
         session.plain(prompt_ids, max_new_tokens=4)
     shown: list[int] = []
@@ -105,15 +103,15 @@ def decode(prompt, target_path, drafter_dir, temperature, rule, top_k, top_p, se
     run = session.decode(prompt_ids, speculation, max_new_tokens=max_new_tokens, sampling=sampling, on_tokens=stream)
     click.echo()
     steps = sum(run.steps) / len(run.steps) if run.steps else 1.0
-    mode = ("greedy" if tree_budget is None else f"greedy, tree of {tree_budget}") if sampling is None else f"T={temperature}, {rule} rule"
-    click.echo(f"speculative ({mode}): {len(run.tokens)} tokens, {steps:.2f} tokens per step, {len(run.tokens) / run.seconds:.1f} tokens/s on the {speculation_engine(session.model)} engine")
+    how = ("greedy" if not mode.is_tree else f"greedy, tree of {mode.tree_budget}") if sampling is None else f"T={temperature}, {rule} rule"
+    click.echo(f"speculative ({how}): {len(run.tokens)} tokens, {steps:.2f} tokens per step, {len(run.tokens) / run.seconds:.1f} tokens/s on the {session.engine} engine")
     if compare:
         plain = session.plain(prompt_ids, max_new_tokens=max_new_tokens, sampling=sampling)
         rate = len(plain.tokens) / plain.seconds
-        mode = "greedy" if sampling is None else mode
+        how = "greedy" if sampling is None else how
         same = "identical answers" if plain.tokens == run.tokens else (
             "different answers: NOT LOSSLESS" if sampling is None else "different samples (expected at T > 0: same distribution)")
-        click.echo(f"plain ({mode}): {len(plain.tokens)} tokens, {rate:.1f} tokens/s; speedup {len(run.tokens) / run.seconds / rate:.2f}; {same}")
+        click.echo(f"plain ({how}): {len(plain.tokens)} tokens, {rate:.1f} tokens/s; speedup {len(run.tokens) / run.seconds / rate:.2f}; {same}")
 
 
 def _generate_renamed(**options):

@@ -88,9 +88,11 @@ def drafter_contract(folder: Path) -> list[tuple[str, object]]:
              ("target fingerprint", source.get("target_fingerprint") or "unknown (not exported by this pipeline)")]
     if source.get("checkpoint"):
         lines.append(("exported from", f"{source['checkpoint']} (step {source.get('step')})"))
-    if isinstance(source.get("best_mode"), dict):  # what `decode` decodes with at T = 0
-        best = source["best_mode"]
-        lines.append(("best decoding mode", f"{best.get('mode') or 'none lossless'}, speedup {best.get('speedup')} on {best.get('machine')} "
+    if isinstance(source.get("best_mode"), dict):  # what `decode` decodes with at T = 0, read as it reads it
+        from dflash_pipeline.measure.record import BestMode
+
+        best = BestMode.from_json(source["best_mode"], f"{folder / PROVENANCE_FILE}: source.best_mode")
+        lines.append(("best decoding mode", f"{best.mode or 'none lossless'}, speedup {best.speedup} on {best.machine} "
                                             "(measured by evaluate)"))
     lines += drafter_lines(config)
     recorded = (provenance or {}).get("files") or {}

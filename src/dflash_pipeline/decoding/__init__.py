@@ -1,1 +1,2 @@
-"""The decoding wing: sampling rules, draft trees, and the engine that decodes with the target."""
+"""The decoding wing: the one engine that decodes with the target. Outside code enters through two
+modules: `plain` (the target alone) and `session` (speculative decoding with a drafter)."""

@@ -1,5 +1,7 @@
 """The engine's loop and its plain step: what every decode on the static cache runs through.
 
+    DecodeStep         the contract of what the loop drives: a prefill, fixed-shape phases, one
+                       read of (ended, tokens made) between steps, the answer read at the end
     PlainStep          the target alone over the static cache (`static_decoder.StaticDecoder`),
                        one row (evaluate's baseline, the CLI) or a left-padded batch (the
                        generate stage), one token per live row per step, greedy or sampled
@@ -7,34 +9,24 @@
                        alike: the host reads (ended, tokens made) once every `read_every` steps
                        (`devices.READ_EVERY` on a GPU, every step on a CPU), each phase replayed
                        through the one CUDA-graph runner (`graphs.PhaseRunner`)
-    static_plain_decode  one prompt on a step kept per target and reused across prompts
-    engine_name        what records call this engine on a device
+    cached_step, run_prompt  a step kept per owner and reused across prompts, and one prompt on it
 
 It imports nothing of the drafters, so the generate stage, which decodes with the target alone,
-does not go stale when drafter code changes.
+does not go stale when drafter code changes. Outside code decodes through `plain` and `session`.
 """
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from dflash_pipeline.decoding.graphs import PhaseRunner
 from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
-from dflash_pipeline.decoding.static_decoder import StaticDecoder, check_servable
+from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.foundation.devices import default_read_every, synchronize
 from dflash_pipeline.target.placement import is_split, model_device
-
-STATIC_ENGINE = "static-kv"  # static KV, whole steps on the device
-GRAPHED_ENGINE = "static-kv-cuda-graph"  # the same steps, each phase replayed as a CUDA graph
-
-
-def engine_name(model) -> str:
-    """The engine that decodes with this target, as records name it: the static step, replayed as
-    CUDA graphs on a GPU (eager if a capture fails, with a warning). A target it cannot serve is
-    refused in one line (`static_decoder.check_servable`)."""
-    check_servable(model)
-    return GRAPHED_ENGINE if model_device(model).type == "cuda" and not is_split(model) else STATIC_ENGINE
 
 
 @dataclass
@@ -67,6 +59,43 @@ class StepRecord:
     drafted: int  # drafted tokens (chain tokens or real tree nodes) verified, over all steps
 
 
+@runtime_checkable
+class DecodeStep(Protocol):
+    """What `run_steps`, `cached_step` and `run_prompt` drive: `PlainStep` and
+    `static_speculation.SpeculativeStep`. Its state lives in preallocated device tensors; the host
+    touches it only through `prefill`, `read_state`, `answer_tokens` and `record`, never inside a
+    phase (no read back, no shape that varies from step to step), so each phase can be replayed as
+    a CUDA graph (`graphs.PhaseRunner`)."""
+
+    device: torch.device
+    split: bool  # the target is split over devices: its phases are never captured as graphs
+    capacity: int  # the longest prompt it holds
+    answer_capacity: int  # the longest answer it holds
+    max_new_tokens: int  # this prompt's cap (at most `answer_capacity`), set by `prefill`
+    eos_set: set[int]
+    sampling: Sampling | None  # None: greedy
+    uniforms: torch.Tensor  # a sampled step's randomness, refilled from `generator` before each step
+    generator: torch.Generator | None
+
+    def prefill(self, prompt_ids: list[int], generator: torch.Generator | None = None, max_new_tokens: int | None = None) -> None:
+        """Start a prompt: its cache, the first answer token, fresh counters."""
+
+    def phases(self) -> Sequence[Callable[[], None]]:
+        """One step's phases, in order: each reads and writes only the step's own tensors."""
+
+    def graph_state(self) -> list[torch.Tensor]:
+        """The counters a warm-up run of the phases moves that the next prefill would not put back."""
+
+    def read_state(self) -> tuple[bool, int]:
+        """(the answer has ended, the tokens it has made): the one read between steps."""
+
+    def answer_tokens(self, start: int, stop: int) -> list[int]:
+        """Answer tokens start..stop (what streaming shows)."""
+
+    def record(self) -> StepRecord:
+        """The answer and each step's size, read once after the last step."""
+
+
 class PlainStep:
     """The target alone over the static cache, for a batch of rows: evaluate's plain decoding
     baseline and the CLI (one row) and the generate stage (a left-padded batch of prompts), one
@@ -95,6 +124,7 @@ class PlainStep:
         self.rows = torch.arange(batch, device=device)  # the prompt each batch row answers
         self.token = torch.zeros(batch, dtype=torch.long, device=device)  # what each batch row steps on
         self.uniforms = torch.zeros(batch, device=device)
+        self.generator = None  # a sampled decode's device generator (`run_prompt` seeds it)
 
     @torch.no_grad()
     def prefill(self, prompt_ids: list[int], generator: torch.Generator | None = None, max_new_tokens: int | None = None) -> None:
@@ -219,7 +249,7 @@ class PhaseClock:
         return totals
 
 
-def run_steps(step, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_read=None, read_first: bool = True) -> list[float]:
+def run_steps(step: DecodeStep, *, runner: PhaseRunner, read_every: int, on_tokens=None, on_read=None, read_first: bool = True) -> list[float]:
     """Steps until the answer (every answer of a batch) has ended; the host reads (ended, tokens
     made) once every `read_every` steps, sooner when the length cap could come first at the
     tokens per step measured so far (at least one). `on_tokens(list)` sees the answer's new tokens at each read;
@@ -287,7 +317,8 @@ def steps_of(owner) -> StepCache:
     return steps
 
 
-def cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, build):
+def cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int,
+                build: Callable[[int, int], DecodeStep]) -> tuple[DecodeStep, PhaseRunner]:
     """(the step of `owner` and `key` that holds this prompt and answer, its graph runner): the
     kept one, or one `build(capacity, answer_capacity)` makes at rounded-up sizes."""
     steps = steps_of(owner)
@@ -303,7 +334,7 @@ def cached_step(owner, key: tuple, prompt_length: int, max_new_tokens: int, buil
     return entry
 
 
-def run_prompt(step, runner: PhaseRunner, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None, on_tokens, read_every: int | None):
+def run_prompt(step: DecodeStep, runner: PhaseRunner, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None, on_tokens, read_every: int | None):
     """One prompt on a kept step, timed (a `DecodeRun`): prefill, then `run_steps`."""
     device = step.device
     step.generator = torch.Generator(device=device).manual_seed(sampling.seed) if sampling is not None else None
@@ -319,17 +350,3 @@ def run_prompt(step, runner: PhaseRunner, prompt_ids: list[int], max_new_tokens:
     if len(totals) == 3:  # draft, verify, extend: extending the drafter's context counts as drafting, as in the host loop
         run.draft_seconds, run.verify_seconds = totals[0] + totals[2], totals[1]
     return run
-
-
-@torch.inference_mode(False)
-def static_plain_decode(model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
-                        on_tokens=None, read_every: int | None = None):
-    """`engine.greedy_decode` (or sampled) of one prompt on the static cache, batch 1 (a `DecodeRun`)."""
-    sampling_key = None if sampling is None else (sampling.temperature, sampling.top_k, sampling.top_p)
-    key = (tuple(sorted(eos_ids)), sampling_key)
-
-    def build(capacity, answer_capacity):
-        return PlainStep(model, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids, sampling=sampling)
-
-    step, runner = cached_step(model, key, len(prompt_ids), max_new_tokens, build)
-    return run_prompt(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)

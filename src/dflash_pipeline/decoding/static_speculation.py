@@ -17,8 +17,8 @@ preallocated and every decision stays on the device:
                          extend  the tree's path moved into place in the target cache (one gather
                                  for all layers), the committed features into the drafter's cache,
                                  the answer, the counters and the end flag
-    Speculation        one drafter's mode (a chain of `verify_tokens`, or a DDTree of `tree_budget`
-                       nodes); `decode` runs one prompt on a step kept per mode and reused across
+    Speculation        one drafter in one `DecodingMode` (a chain of `verify_tokens`, or a DDTree of
+                       `tree_budget` nodes); `decode` runs one prompt on a step kept per mode and reused across
                        prompts, through the engine's one loop (`loop.run_steps`, which also drives
                        the plain step, `loop.PlainStep`)
 
@@ -36,17 +36,17 @@ On CUDA each phase is captured once as a CUDA graph and replayed (`graphs.PhaseR
 of the module has not yet run on a GPU.
 """
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from dflash_pipeline.decoding.loop import StepRecord, cached_step, run_prompt, steps_of
+from dflash_pipeline.speculation.modes import DecodingMode
 from dflash_pipeline.speculation.sampling import Sampling, draw_with_uniforms, sampling_probs
 from dflash_pipeline.decoding.static_decoder import StaticDecoder
 from dflash_pipeline.speculation.trees import (RankPathKeys, build_draft_tree_tensors, ranked_candidates_on_device,
                                              tree_attention_visibility)
-from dflash_pipeline.foundation.devices import READ_EVERY, bf16_by_default, synchronize
+from dflash_pipeline.foundation.devices import READ_EVERY, bf16_by_default
 from dflash_pipeline.drafters.core import DFlashDrafter, draft_logits
 from dflash_pipeline.decoding.acceptance import accept_greedy, accept_sampled
 from dflash_pipeline.target.placement import is_split, model_device
@@ -180,26 +180,25 @@ class _Loop:
 class SpeculativeStep(_Loop):
     """One prompt's speculative decoding state and its three phases (see the module docstring).
 
-    Modes: a chain of `verify_tokens` drafted tokens (default B-1), greedy or sampled under
-    `sampling`'s rule; or, with `tree_budget`, a DDTree of that many nodes (greedy only).
+    `mode`: a chain of `verify_tokens` drafted tokens (default B-1), greedy or sampled under
+    `sampling`'s rule; or a DDTree of `tree_budget` nodes (greedy only: `DecodingMode.check_sampling`).
+    The mode is resolved here, once: the phases read only the shapes and the flag it sets.
     """
 
     def __init__(self, model, drafter: DFlashDrafter, head, *, capacity: int, max_new_tokens: int, eos_ids: set[int],
-                 tree_budget: int | None = None, verify_tokens: int | None = None, sampling: Sampling | None = None,
-                 feature_dtype: str = "bf16", bf16: bool | None = None):
-        if tree_budget is not None and sampling is not None:
-            raise ValueError("tree verification is lossless at T = 0 only: sample with a chain")
+                 mode: DecodingMode = DecodingMode.chain(), sampling: Sampling | None = None, feature_dtype: str = "bf16",
+                 bf16: bool | None = None):
+        mode.check_sampling(sampling)
         config = drafter.config
         slots = config.block_size - 1
         self.model, self.drafter, self.head = model, drafter, head
         self.device = model_device(model)
         self.split = is_split(model)  # never captured as CUDA graphs (`target.placement`)
         self.bf16 = bf16_by_default(self.device) if bf16 is None else bf16
-        self.tree_budget, self.sampling, self.feature_dtype = tree_budget, sampling, feature_dtype
-        if tree_budget is not None:
-            self.nodes, self.depth = tree_budget, min(slots, tree_budget)
-        else:
-            self.nodes = self.depth = min(verify_tokens or slots, slots)
+        self.mode, self.sampling, self.feature_dtype = mode, sampling, feature_dtype
+        self.is_tree = mode.is_tree
+        self.nodes, self.depth = mode.verified(slots)  # a tree: its budget of nodes
+        self.generator = None  # a sampled decode's device generator (`loop.run_prompt` seeds it)
         nodes, device = self.nodes, self.device
         # the prompt, every answer token, and one verify's columns past them
         self.capacity = capacity
@@ -219,9 +218,9 @@ class SpeculativeStep(_Loop):
         self.node_depths = torch.arange(nodes, device=device)
         self.node_count = torch.full((), nodes, dtype=torch.long, device=device)
         self.visibility = tree_attention_visibility(chain_parents, 0, self.depth)
-        if tree_budget is not None:  # the rank-path keys' place values, made here: a graph capture cannot copy from the host
-            width = min(tree_budget, drafter.draft_head_weight(head).shape[0])
-            self.place = RankPathKeys.for_sizes(slots, width, tree_budget).place_values(device)
+        if self.is_tree:  # the rank-path keys' place values, made here: a graph capture cannot copy from the host
+            width = min(nodes, drafter.draft_head_weight(head).shape[0])
+            self.place = RankPathKeys.for_sizes(slots, width, nodes).place_values(device)
         self.q = None
         if sampling is not None and sampling.rule == "ratio":
             self.q = torch.zeros(nodes, head.lm_head_weight.shape[0], device=device)
@@ -262,9 +261,9 @@ class SpeculativeStep(_Loop):
         drafter, head = self.drafter, self.head
         with torch.no_grad(), _autocast(self.device, self.bf16):
             hidden = self.drafts.hidden(head, self.anchor, self.start)
-            if self.tree_budget is not None:
-                logprobs, columns = ranked_candidates_on_device(draft_logits(drafter, head, hidden), self.tree_budget)
-                tree = build_draft_tree_tensors(logprobs, drafter.vocab_tokens(columns), self.tree_budget, place=self.place)
+            if self.is_tree:
+                logprobs, columns = ranked_candidates_on_device(draft_logits(drafter, head, hidden), self.nodes)
+                tree = build_draft_tree_tensors(logprobs, drafter.vocab_tokens(columns), self.nodes, place=self.place)
                 self.node_tokens.copy_(tree.tokens)
                 self.node_parents.copy_(tree.parents)
                 self.node_depths.copy_(tree.depths)
@@ -313,7 +312,7 @@ class SpeculativeStep(_Loop):
             count, path = self.accepted, self.path
             slots = torch.arange(depth + 1, device=device)
             committed = torch.where(slots == count, self.bonus, torch.cat([self.node_tokens.gather(0, path), self.bonus]))
-            if self.tree_budget is not None:  # the accepted nodes' keys/values to the columns after the anchor, in order
+            if self.is_tree:  # the accepted nodes' keys/values to the columns after the anchor, in order
                 self.target.move_columns(start + 1 + slots[:depth], start + 1 + path)
             rows = torch.cat([torch.zeros(1, dtype=torch.long, device=device), 1 + path])  # the anchor and the accepted nodes
             with _autocast(device, self.bf16):
@@ -332,18 +331,17 @@ class SpeculativeStep(_Loop):
 
 @dataclass(frozen=True, eq=False)
 class Speculation:
-    """One drafter's decoding mode on the static step: a chain of `verify_tokens` (None: B-1), or a
-    DDTree of `tree_budget` nodes. Whether and how a chain samples is each decode's `sampling`."""
+    """One drafter in one decoding mode on the static step: a chain of `verify_tokens` (None: B-1),
+    or a DDTree of `tree_budget` nodes. Whether and how a chain samples is each decode's `sampling`."""
 
     drafter: DFlashDrafter
     head: object
-    tree_budget: int | None = None
-    verify_tokens: int | None = None
+    mode: DecodingMode = DecodingMode.chain()
 
     @torch.inference_mode(False)
     def decode(self, model, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: set[int], feature_dtype: str = "bf16",
                bf16: bool | None = None, sampling: Sampling | None = None, on_tokens=None, read_every: int | None = None):
-        """`engine.speculative_decode` of one prompt on the static step (a `DecodeRun`): greedy, or
+        """`session.speculative_decode` of one prompt on the static step (a `DecodeRun`): greedy, or
         a sampled chain under `sampling` (its rule, temperature and seed)."""
         sampling_key = None if sampling is None else (sampling.temperature, sampling.rule, sampling.top_k, sampling.top_p)
         layout = self.drafter.draft_layout  # a draft vocabulary of another length makes every kept step stale
@@ -354,36 +352,7 @@ class Speculation:
 
         def build(capacity, answer_capacity):
             return SpeculativeStep(model, self.drafter, self.head, capacity=capacity, max_new_tokens=answer_capacity, eos_ids=eos_ids,
-                                   tree_budget=self.tree_budget, verify_tokens=self.verify_tokens, sampling=sampling,
-                                   feature_dtype=feature_dtype, bf16=bf16)
+                                   mode=self.mode, sampling=sampling, feature_dtype=feature_dtype, bf16=bf16)
 
         step, runner = cached_step(self, key, len(prompt_ids), max_new_tokens, build)
         return run_prompt(step, runner, prompt_ids, max_new_tokens, sampling, on_tokens, read_every)
-
-
-@torch.inference_mode(False)
-def static_forward_costs(model, prompt_ids: list[int], lengths: list[int], *, repeats: int = 5) -> dict[int, float]:
-    """`engine.forward_costs` on the static cache: median seconds of one forward of n new tokens
-    (causal among themselves, after the prompt's cache) with the argmax of every row, as the
-    static verify phase runs it. Nothing is cropped: each repeat rewrites the same columns."""
-    import statistics
-
-    device = model_device(model)
-    width = len(prompt_ids)
-    decoder = StaticDecoder(model, batch=1, length=width + max(lengths) + 1)
-    with torch.no_grad():
-        ids = torch.tensor([prompt_ids], device=device)
-        decoder.prefill(ids, torch.ones_like(ids, dtype=torch.bool))
-        samples = {n: [] for n in lengths}
-        for repeat in range(repeats + 1):  # the first round warms up
-            for n in lengths:
-                columns = width + torch.arange(n, device=device)
-                visible = (decoder.key_columns[None, :] <= columns[:, None])[None]
-                tokens = ids[:, -n:]
-                synchronize(device)
-                started = time.perf_counter()
-                decoder.logits(decoder.forward(tokens, columns[None], columns, visible)[0]).argmax(-1)
-                synchronize(device)
-                if repeat:
-                    samples[n].append(time.perf_counter() - started)
-    return {n: statistics.median(values) for n, values in samples.items()}

@@ -11,7 +11,7 @@ def choose_decoding_mode(chain: EndToEnd, trees: dict[int, EndToEnd], *, machine
     """The greedy mode with the highest measured speedup: the chain (at its verify length) or a tree
     of one of `trees`' node budgets.
 
-    Only a lossless mode may win, as evaluate records it (`engine.summarize_end_to_end`): a mode with
+    Only a lossless mode may win, as evaluate records it (`end_to_end.summarize_end_to_end`): a mode with
     a mismatch that is not a near-tie (a real difference from plain greedy decoding) is refused, and
     so is a tree whose lossless rate is below the chain's (near-tie partings are rounding, which
     every mode meets alike; more of them than the chain has is not evidence of rounding alone). A

@@ -52,17 +52,17 @@ def evaluate_record_of(drafter_dir: Path, kind: str) -> tuple[bool, object, str]
     return True, best["best_mode"], f"{best_json}: best_mode"
 
 
-def choose_decode_mode(*, drafter_dir: Path, kind: str, block_size: int, tree_budget: int | None, verify_tokens: int | None,
-                       explicit: set[str], machine: str) -> tuple[DecodingMode, str]:
-    """(the mode, the line saying which mode and why) for greedy `decode`: the options named in
-    `explicit` as given; else the mode evaluate measured fastest for this drafter
-    (`evaluate_record_of`); else today's default, a chain of all B-1 drafted tokens."""
+def choose_decode_mode(*, drafter_dir: Path, kind: str, block_size: int, requested: DecodingMode, explicit: set[str],
+                       machine: str) -> tuple[DecodingMode, str]:
+    """(the mode, the line saying which mode and why) for greedy `decode`: the `requested` mode
+    when the options named in `explicit` chose it; else the mode evaluate measured fastest for this
+    drafter (`evaluate_record_of`); else `requested` as the options' defaults make it (a chain of
+    all B-1 drafted tokens)."""
     if explicit:
         flags = " and ".join(f"--{name.replace('_', '-')}" for name in sorted(explicit))
-        mode = DecodingMode(tree_budget=tree_budget, verify_tokens=verify_tokens)
-        return mode, f"mode: {mode.describe(block_size)} ({flags})"
+        return requested, f"mode: {requested.describe(block_size)} ({flags})"
     found, section, where = evaluate_record_of(drafter_dir, kind)
-    default = DecodingMode.chain(verify_tokens)
+    default = requested
     if not found:
         return default, f"mode: {default.describe(block_size)} (no evaluate record of this drafter: {where})"
     if section is None:

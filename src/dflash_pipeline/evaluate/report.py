@@ -27,6 +27,7 @@ from dflash_pipeline.measure.record import BestMode, CandidateRecord, EndToEnd, 
 from dflash_pipeline.evaluate.best_mode import describe_best_mode
 from dflash_pipeline.foundation.files import atomic_path, pyplot, save_figure, write_csv_atomic, write_json_recorded, write_metrics
 from dflash_pipeline.foundation.stats import console_value, format_interval
+from dflash_pipeline.speculation.modes import DecodingMode
 
 # What eval.json keeps of each section (details.json keeps everything, under the same paths).
 HEADLINE = {"teacher_forced": ("tau", "tau_ci95", "blocks", "prompts"),
@@ -138,10 +139,11 @@ def best_mode_figures(best: BestMode) -> dict:
     """The best greedy mode as JSON: the section `best_mode` of eval.json and details.json, and of
     best.json, where `dflash-pipeline decode` reads it (through the export's provenance file)."""
     tau, tau_ci95 = (best.tau.mean, best.tau.ci95) if best.tau is not None else (None, None)
-    mode = best.decoding_mode.as_dict() if best.decoding_mode is not None else {"mode": None, "verify_tokens": None, "tree_budget": None}
-    return {"mode": mode["mode"], "speedup": best.speedup, "tau": tau, "tau_ci95": tau_ci95, "lossless_rate": best.lossless_rate,
-            "verify_tokens": mode["verify_tokens"], "tree_budget": mode["tree_budget"], "speedups": dict(best.speedups),
-            "refused": dict(best.refused), "machine": best.machine, "engine": best.engine}
+    mode = DecodingMode.dict_of(best.decoding_mode)
+    figures = {"speedup": best.speedup, "tau": tau, "tau_ci95": tau_ci95, "lossless_rate": best.lossless_rate}
+    # The mode's name, the figures, then its numbers: the order of comparison.csv's columns.
+    return {"mode": mode.pop("mode"), **figures, **mode, "speedups": dict(best.speedups), "refused": dict(best.refused),
+            "machine": best.machine, "engine": best.engine}
 
 
 def _flat_row(figures: dict, prefix: str = "") -> dict:
@@ -180,9 +182,9 @@ def write_outputs(result, *, out_dir: Path, metrics_path: Path, plots_dir: Path)
         pd.concat(frames).to_parquet(tmp, index=False)
     e2e_detail = [{"prompt_id": r.prompt_id, "plain_tokens": len(r.plain.tokens), "plain_seconds": round(r.plain.seconds, 4),
                    "plain_prefill_seconds": round(r.plain.prefill_seconds, 4),
-                   **{name: {"tokens": len(run.tokens), "seconds": round(run.seconds, 4), "prefill_seconds": round(run.prefill_seconds, 4),
-                             "steps": run.steps,
-                             "identical": run.tokens == r.plain.tokens} for name, run in r.speculative.items()}}
+                   **{key.name: {"tokens": len(run.tokens), "seconds": round(run.seconds, 4), "prefill_seconds": round(run.prefill_seconds, 4),
+                                 "steps": run.steps,
+                                 "identical": run.tokens == r.plain.tokens} for key, run in r.speculative.items()}}
                   for r in result.e2e_results]
     write_metrics(out_dir / "e2e.json", {"prompts": e2e_detail})
     best = evaluation.chosen_record

@@ -1,12 +1,12 @@
 """Stage `evaluate`: score every checkpoint and any baseline drafter, fast and honestly.
 
-Two measurements (definitions in `scoring` and `engine`, and in the README):
+Two measurements (definitions in `scoring` and `end_to_end`, and in the README):
 
 1. Teacher-forced, on the cached val features, no target forward (`scoring.score_teacher_forced`):
    τ, per-slot acceptance and DDTree streaks of thousands of blocks in seconds, with 95%
    intervals over prompts, split by prompt category, and each drafter's paired difference to the
    chosen one.
-2. End-to-end speculative decoding with the real target (`engine.end_to_end`): greedy chains and
+2. End-to-end speculative decoding with the real target (`end_to_end.end_to_end`): greedy chains and
    greedy DDTrees (their output must equal plain greedy decoding token for token) and sampled
    chains at each T > 0; τ per step, tokens/s of both measured alternately in one process, the
    time split and the break-even τ of this machine.
@@ -23,13 +23,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from dflash_pipeline.drafters.checkpoints import list_checkpoints
-from dflash_pipeline.foundation.devices import autocast, bf16_by_default, machine_description
-from dflash_pipeline.decoding.engine import speculation_engine
+from dflash_pipeline.foundation.devices import autocast, machine_description
 from dflash_pipeline.measure.verify_plan import VerifyPlan, measure_forward_costs, plan_verify_tokens
-from dflash_pipeline.measure.end_to_end import EndToEndPrompt, end_to_end, summarize_end_to_end
+from dflash_pipeline.measure.end_to_end import EndToEndPrompt, RunKey, end_to_end, summarize_end_to_end
 from dflash_pipeline.decoding.session import open_session
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import check_recorded_digest
@@ -192,20 +189,21 @@ def choose_and_pair(records: list[CandidateRecord], blocks: dict[str, BlockScore
 
 
 def summarize_decoding(name: str, greedy: list[EndToEndPrompt], sampled: dict[float, list[EndToEndPrompt]], *, tree_budgets: list[int],
-                       verify_tokens: int, plan: VerifyPlan | None = None, machine: str = "", engine: str = "") -> Decoding:
-    """One drafter's end-to-end record from the runs of `decode_end_to_end`: its greedy chain
-    (`name`, verifying `verify_tokens` per step, as `plan` chose when it did), its greedy trees
-    (`name/tree<budget>`), its sampled chains (`name` in `sampled[temperature]`; samples part
-    from plain sampling by design, so they carry no lossless check) and the best greedy mode
+                       chain_mode: DecodingMode, plan: VerifyPlan | None = None, machine: str = "", engine: str = "") -> Decoding:
+    """One drafter's end-to-end record from the runs of `decode_end_to_end`, each found by its
+    candidate and mode (`RunKey`): its greedy chain (in `chain_mode`, whose verify length `plan`
+    chose when it did), its greedy trees, its sampled chains (in `sampled[temperature]`; samples
+    part from plain sampling by design, so they carry no lossless check) and the best greedy mode
     (`choose_decoding_mode`, measured on `machine` with `engine`)."""
-    chain = replace(summarize_end_to_end(greedy, name), verify_tokens=verify_tokens)
+    chain_key = RunKey(name, chain_mode)
+    chain = replace(summarize_end_to_end(greedy, chain_key), verify_tokens=chain_mode.verify_tokens)
     if plan is not None:
         figures = plan.as_dict()
         chain = replace(chain, forward_cost_steps=figures["forward_cost_steps"],
                         expected_tokens_per_step_cost=figures["expected_tokens_per_step_cost"])
-    trees = {budget: summarize_end_to_end(greedy, f"{name}/{DecodingMode.tree(budget).name}") for budget in tree_budgets}
+    trees = {budget: summarize_end_to_end(greedy, RunKey(name, DecodingMode.tree(budget))) for budget in tree_budgets}
     return Decoding(chain=chain, trees=trees,
-                    sampled={temperature: replace(summarize_end_to_end(runs, name), lossless_rate=None, mismatches=[])
+                    sampled={temperature: replace(summarize_end_to_end(runs, chain_key), lossless_rate=None, mismatches=[])
                              for temperature, runs in sorted(sampled.items())},
                     best=choose_decoding_mode(chain, trees, machine=machine, engine=engine), engine=engine)
 
@@ -219,7 +217,7 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
 
     A chain verifies `config.verify_tokens` drafted tokens, or else, with `acceptance` (name -> the
     drafter's teacher-forced conditional acceptance per slot), the number that pays best on this
-    machine (`engine.plan_verify_tokens`); else all B-1.
+    machine (`verify_plan.plan_verify_tokens`); else all B-1.
     """
     by_name = {c.name: c for c in candidates}
     session = open_session(target, by_name[names[0]].drafter, device=device, layer_ids=layer_ids, head=head, placement=placement)
@@ -237,9 +235,9 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         block = by_name[name].drafter.config.block_size
         verify_tokens.setdefault(name, min(config.verify_tokens or block - 1, block - 1))
 
-    chains = [(name, sessions[name].speculation(verify_tokens=verify_tokens[name])) for name in names]
-    trees = [(f"{name}/{DecodingMode.tree(budget).name}", sessions[name].speculation(tree_budget=budget))
-             for name in names for budget in config.tree_budgets]
+    chains = [(name, sessions[name].speculation(DecodingMode.chain(verify_tokens[name]))) for name in names]
+    chain_modes = {name: speculation.mode for name, speculation in chains}
+    trees = [(name, sessions[name].speculation(DecodingMode.tree(budget))) for name in names for budget in config.tree_budgets]
     common = dict(max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, feature_dtype=feature_dtype, progress=True)
     results = end_to_end(model, chains + trees, prompts, **common)
     sampled = {}
@@ -247,8 +245,8 @@ def decode_end_to_end(names: list[str], candidates: list[Candidate], head, *, ta
         sampling = Sampling(temperature, rule=config.sampling_rule, seed=config.seed)
         sampled[temperature] = end_to_end(model, chains, prompts, sampling=sampling, **common)
     machine = f"{device} on {machine_description()}"  # which mode pays depends on it
-    engine = speculation_engine(model)
-    return {name: summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), verify_tokens=verify_tokens[name],
+    engine = session.engine
+    return {name: summarize_decoding(name, results, sampled, tree_budgets=list(config.tree_budgets), chain_mode=chain_modes[name],
                                      plan=plans.get(name), machine=machine, engine=engine) for name in names}, results
 
 
@@ -283,7 +281,7 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
                                  device=device)
     if not candidates:
         raise PipelineError("evaluate: nothing to evaluate (no checkpoint selected and no baseline)")
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    head = load_target_head(target, device=device)
     categories = sequence_categories(val_set, generated_val)
 
     started = time.perf_counter()
@@ -313,7 +311,7 @@ def run_evaluate(config, *, target, hidden_val_dir: Path, generated_val: Path | 
             modes = [("", decoding.chain)] + [(f" (tree {budget})", tree) for budget, tree in decoding.trees.items()]
             for mode, run in modes:
                 for mismatch in run.mismatches:
-                    verdict = "differs at a near-tie (rounding, see engine.is_near_tie)" if mismatch.near_tie else "NOT LOSSLESS"
+                    verdict = "differs at a near-tie (rounding, see end_to_end.is_near_tie)" if mismatch.near_tie else "NOT LOSSLESS"
                     log(f"evaluate: {verdict}: {name}{mode} differs from plain greedy decoding on prompt {mismatch.prompt_id} "
                         f"at answer token {mismatch.position}")
     return result

@@ -70,6 +70,12 @@ def bf16_by_default(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def compute_dtype(device) -> torch.dtype:
+    """The dtype the target computes in on `device`, its weights and its frozen head alike: bf16 on
+    CUDA, fp32 on a CPU (`bf16_by_default`). Chosen here and nowhere else."""
+    return torch.bfloat16 if bf16_by_default(device) else torch.float32
+
+
 def autocast(device, enabled: bool | None = None):
     """bf16 autocast for `device`'s own type (CPU autocast exists too), on when `enabled` says so,
     else where `bf16_by_default` says so."""

@@ -55,3 +55,23 @@ def load_safetensors(file: Path, names=None) -> dict:
         raise PipelineError(f"{file}: missing") from None
     except (SafetensorError, OSError, ValueError) as exc:
         raise _unreadable(file, exc) from None
+
+
+def safetensors_header_bytes(file: Path) -> bytes:
+    """The header of `file` exactly as stored (the JSON of every tensor's name, dtype, shape and byte
+    range), read without the data: what the target's fingerprint hashes (`target.load`), so the
+    bytes, not a parse of them. A missing or truncated file is the same one line as above."""
+    import os
+    import struct
+
+    try:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            size = os.fstat(handle.fileno()).st_size
+            if length > size - 8:  # not read: a foreign file's first bytes can say exabytes
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            return handle.read(length)
+    except FileNotFoundError:
+        raise PipelineError(f"{file}: missing") from None
+    except (OSError, ValueError, struct.error) as exc:
+        raise _unreadable(file, exc) from None

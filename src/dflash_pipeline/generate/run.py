@@ -40,7 +40,7 @@ from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import write_json_atomic
 from dflash_pipeline.data.prompts import Prompt, PromptSet
 from dflash_pipeline.target.load import TargetInfo
-from dflash_pipeline.target.placement import TargetPlacement, model_device
+from dflash_pipeline.target.placement import TargetPlacement
 from dflash_pipeline.generate.cache import AnswerCache, generation_settings, rows_table, write_parquet_atomic
 
 
@@ -70,7 +70,7 @@ def decoding_engine(model) -> str:
     written columns only on a CPU (where it measured 1.09x transformers' loop, identical answers:
     bench/generate.py --engines). A target it cannot serve is refused in one line
     (`static_decoder.check_servable`), never sent down another path."""
-    from dflash_pipeline.decoding.loop import engine_name
+    from dflash_pipeline.decoding.plain import engine_name
 
     return engine_name(model)
 
@@ -97,38 +97,21 @@ def left_padded(prompts: list[list[int]], pad_id: int):
 
 def static_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                            on_step=None, read_every: int | None = None) -> list[Answer]:
-    """The engine's plain step over the whole batch (`decoding.loop.PlainStep`, the step
-    evaluate's plain baseline takes at one row), driven by its loop (`run_steps`). Tokens and ends
-    stay on the device and the host reads which rows ended every `read_every` steps
-    (`devices.default_read_every`: 16 on a GPU, every step on a CPU, where a read costs nothing).
-    On a GPU the batch stays whole (an ended row steps on: free while a step is bound by latency,
-    and the replayed CUDA graph keeps its shapes); on a CPU, where a step costs in proportion to
-    its rows, the rows that ended leave the batch at each read."""
-    import torch
+    """The prompts left-padded into one batch and answered together by the engine's plain step
+    (`decoding.plain.decode_batch`: the step evaluate's plain baseline takes at one row), the host
+    reading which rows ended every `read_every` steps (16 on a GPU, every step on a CPU)."""
+    from dflash_pipeline.decoding.plain import decode_batch
 
-    from dflash_pipeline.decoding.graphs import PhaseRunner
-    from dflash_pipeline.decoding.loop import PlainStep, run_steps
-    from dflash_pipeline.foundation.devices import default_read_every
-
-    device = model_device(model)
     input_ids, valid = left_padded(prompts, pad_id)
-    batch, width = input_ids.shape
-    step = PlainStep(model, batch=batch, capacity=width, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-    runner = PhaseRunner(step.phases(), state=step.graph_state(), device=device, capture=False if step.split else None)
-    step.prefill_rows(input_ids.to(device), valid.to(device))
     reported = [0, 0]  # answer tokens (a row's EOS included) and rows ended, as last reported
 
-    def on_read() -> None:  # after each read of the step's state
-        tokens, rows_ended = step.tokens_made, step.prompts_ended
+    def on_read(tokens: int, rows_ended: int) -> None:
         if on_step is not None:
             on_step(tokens - reported[0], rows_ended - reported[1])
         reported[:] = tokens, rows_ended
-        if not runner.graphed:
-            step.keep_live_rows()
 
-    with torch.no_grad():
-        run_steps(step, runner=runner, read_every=read_every or default_read_every(device), on_read=on_read, read_first=False)
-    return [Answer(tokens, "stop" if stopped else "length") for tokens, stopped in step.answers()]
+    answers = decode_batch(model, input_ids, valid, max_new_tokens=max_new_tokens, eos_ids=eos_ids, on_read=on_read, read_every=read_every)
+    return [Answer(tokens, "stop" if stopped else "length") for tokens, stopped in answers]
 
 
 def _progress_bar(total: int, done: int, *, desc: str = "generate", disable: bool = False):

@@ -1,5 +1,6 @@
 """End-to-end speculative decoding measured against plain greedy decoding on the same prompts.
 
+    RunKey               whose runs and in which mode: a candidate's name and its `DecodingMode`
     end_to_end           both on the same prompts, alternating which goes first
     summarize_end_to_end lossless rate, τ per step, speedup, time split and break-even τ (a typed
                          `measure.record.EndToEnd`)
@@ -13,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_pipeline.decoding.engine import greedy_decode, speculative_decode
-from dflash_pipeline.decoding.loop import DecodeRun
-from dflash_pipeline.decoding.static_speculation import Speculation
+from dflash_pipeline.decoding.plain import DecodeRun, greedy_decode
+from dflash_pipeline.decoding.session import Speculation, speculative_decode
 from dflash_pipeline.foundation.progress import progress_iter
 from dflash_pipeline.foundation.stats import mean_ci95
 from dflash_pipeline.measure.record import EndToEnd, Interval, Mismatch, TimeSplit
+from dflash_pipeline.speculation.modes import DecodingMode
 from dflash_pipeline.speculation.sampling import Sampling
 from dflash_pipeline.target.placement import model_device
 
@@ -46,12 +47,25 @@ def is_near_tie(model, prompt_ids: list[int], reference: list[int], other: list[
     return abs(first - second) <= 2 * torch.finfo(logits.dtype).eps * max(abs(first), abs(second), 1.0)
 
 
+@dataclass(frozen=True)
+class RunKey:
+    """Whose runs and in which mode: one candidate drafter's name and the decoding mode it ran in.
+    The key of `EndToEndPrompt`'s runs; `name` is how files name them (`DecodingMode.run_name`)."""
+
+    candidate: str
+    mode: DecodingMode = DecodingMode.chain()
+
+    @property
+    def name(self) -> str:
+        return self.mode.run_name(self.candidate)
+
+
 @dataclass
 class EndToEndPrompt:
     prompt_id: str
     plain: DecodeRun
-    speculative: dict[str, DecodeRun]  # candidate name -> run
-    near_ties: dict[str, bool] = field(default_factory=dict)  # candidate name -> its answer parts from plain's at a near-tie
+    speculative: dict[RunKey, DecodeRun]  # candidate and mode -> run
+    near_ties: dict[RunKey, bool] = field(default_factory=dict)  # candidate and mode -> its answer parts from plain's at a near-tie
 
 
 def end_to_end(model, candidates: list[tuple[str, Speculation]], prompts: list[tuple[str, list[int]]], *, max_new_tokens: int,
@@ -60,37 +74,43 @@ def end_to_end(model, candidates: list[tuple[str, Speculation]], prompts: list[t
     """Plain and speculative decoding of each prompt, alternating which goes first so drift in
     machine speed (turbo, other load) falls on both sides alike. Greedy, or sampled with
     `sampling` (then the candidates' chains sample too, and prompt i's target draws come from
-    the seed + i, the same stream for plain and speculative decoding)."""
+    the seed + i, the same stream for plain and speculative decoding). Each candidate's runs are
+    keyed by its name and its speculation's mode (`RunKey`)."""
+    keyed = [(RunKey(name, speculation.mode), speculation) for name, speculation in candidates]
+    if len({key for key, _ in keyed}) < len(keyed):
+        raise ValueError(f"two candidates of one name decode in one mode: {[key.name for key, _ in keyed]}")
     if prompts:  # warm-up: first-call allocations and kernel selection are not part of either side
         greedy_decode(model, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids)
-        for _, speculation in candidates:
+        for _, speculation in keyed:
             speculative_decode(model, speculation, prompts[0][1], max_new_tokens=4, eos_ids=eos_ids, feature_dtype=feature_dtype,
                                bf16=bf16)
     results = []
     for number, (prompt_id, prompt_ids) in enumerate(progress_iter(prompts, desc="end-to-end", unit="prompt", disable=not progress)):
-        runs: dict[str, DecodeRun] = {}
+        runs: dict[RunKey, DecodeRun] = {}
+        plain_runs: list[DecodeRun] = []
         seeded = sampling.reseeded(sampling.seed + number) if sampling else None
 
         def plain():
-            runs["__plain__"] = greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=seeded)
+            plain_runs.append(greedy_decode(model, prompt_ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, sampling=seeded))
 
         def speculative():
-            for name, speculation in candidates:
-                runs[name] = speculative_decode(model, speculation, prompt_ids, max_new_tokens=max_new_tokens,
-                                                eos_ids=eos_ids, feature_dtype=feature_dtype, bf16=bf16, sampling=seeded)
+            for key, speculation in keyed:
+                runs[key] = speculative_decode(model, speculation, prompt_ids, max_new_tokens=max_new_tokens,
+                                               eos_ids=eos_ids, feature_dtype=feature_dtype, bf16=bf16, sampling=seeded)
 
         for part in ((plain, speculative) if number % 2 == 0 else (speculative, plain)):
             part()
-        plain_run = runs.pop("__plain__")
+        (plain_run,) = plain_runs
         near_ties = {} if sampling else {  # sampled answers part by design
-            name: is_near_tie(model, prompt_ids, plain_run.tokens, run.tokens, position)
-            for name, run in runs.items() if (position := first_difference(plain_run.tokens, run.tokens)) is not None}
+            key: is_near_tie(model, prompt_ids, plain_run.tokens, run.tokens, position)
+            for key, run in runs.items() if (position := first_difference(plain_run.tokens, run.tokens)) is not None}
         results.append(EndToEndPrompt(prompt_id=prompt_id, plain=plain_run, speculative=runs, near_ties=near_ties))
     return results
 
 
-def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> EndToEnd:
-    """Lossless rate, tau per step, tokens/s, speedup, time split and break-even tau of one drafter.
+def summarize_end_to_end(results: list[EndToEndPrompt], key: RunKey) -> EndToEnd:
+    """Lossless rate, tau per step, tokens/s, speedup, time split and break-even tau of one
+    drafter in one mode (`key`).
 
     `speedup` and the tokens/s are end to end, prefill included on both sides (as every earlier
     record); `decode_speedup` and the decode tokens/s leave each prompt's prefill out on both
@@ -110,10 +130,10 @@ def summarize_end_to_end(results: list[EndToEndPrompt], name: str) -> EndToEnd:
     steps = verify = draft = overhead = prefill = plain_prefill = 0.0
     accepted = drafted = 0
     for result in results:
-        run, plain = result.speculative[name], result.plain
+        run, plain = result.speculative[key], result.plain
         difference = first_difference(run.tokens, plain.tokens)
         if difference is not None:
-            mismatches.append(Mismatch(prompt_id=result.prompt_id, position=difference, near_tie=bool(result.near_ties.get(name, False))))
+            mismatches.append(Mismatch(prompt_id=result.prompt_id, position=difference, near_tie=bool(result.near_ties.get(key, False))))
         per_prompt_tau.append(float(np.mean(run.steps)) if run.steps else 1.0)
         plain_tokens += len(plain.tokens)
         plain_seconds += plain.seconds

@@ -4,7 +4,7 @@ last moment.
     Interval         a mean and the half-width of its 95% interval over prompts
     TeacherForced    one drafter's teacher-forced figures (`scoring.summarize_blocks`)
     Mismatch         a prompt whose speculative answer parts from plain greedy decoding, and where
-    EndToEnd         one decoding mode of one drafter on the real target (`engine.summarize_end_to_end`)
+    EndToEnd         one decoding mode of one drafter on the real target (`end_to_end.summarize_end_to_end`)
     BestMode         the lossless greedy mode (the chain or a tree budget) that measured fastest
     Decoding         a drafter's modes: the greedy chain, greedy trees by node budget, sampled
                      chains by temperature, and the best of the greedy ones
@@ -52,7 +52,7 @@ class TeacherForced:
 @dataclass(frozen=True)
 class Mismatch:
     """A prompt whose speculative answer differs from plain decoding: the first differing answer
-    token, and whether the target's logits there are a near-tie (`engine.is_near_tie`: rounding
+    token, and whether the target's logits there are a near-tie (`end_to_end.is_near_tie`: rounding
     decides which token greedy decoding takes, not a defect of the drafter or the verifier)."""
 
     prompt_id: str
@@ -72,7 +72,7 @@ class TimeSplit:
 
 @dataclass(frozen=True)
 class EndToEnd:
-    """One decoding mode of one drafter against plain decoding on the same prompts (`engine`)."""
+    """One decoding mode of one drafter against plain decoding on the same prompts (`end_to_end`)."""
 
     prompts: int
     tau: Interval  # committed tokens per speculative step, over prompts
@@ -118,7 +118,7 @@ class BestMode:
     speedups: dict[str, float | None] = field(default_factory=dict)  # every greedy mode measured, by mode name
     refused: dict[str, str] = field(default_factory=dict)  # mode name -> why it could not win
     machine: str = ""  # the device and machine in words ("cpu on AMD EPYC 7B13, 2 CPUs")
-    engine: str = ""  # the decoding engine it was measured on (`engine.speculation_engine`: "static-kv", "static-kv-cuda-graph")
+    engine: str = ""  # the decoding engine it was measured on (`plain.engine_name`: "static-kv", "static-kv-cuda-graph")
 
     @property
     def mode(self) -> str | None:
@@ -134,7 +134,7 @@ class BestMode:
         for key in ("speedups", "refused"):
             if not isinstance(section.get(key) or {}, dict):
                 raise PipelineError(f"{where}.{key} is {type(section[key]).__name__}, expected a mapping by mode name")
-        mode = DecodingMode.from_dict(section, where) if section.get("mode") is not None else None
+        mode = DecodingMode.from_dict(section, where, optional=True)
         tau = Interval(section["tau"], section.get("tau_ci95")) if isinstance(section.get("tau"), (int, float)) else None
         return cls(decoding_mode=mode, speedup=section.get("speedup"), tau=tau, lossless_rate=section.get("lossless_rate"),
                    speedups=dict(section.get("speedups") or {}), refused=dict(section.get("refused") or {}),
@@ -149,7 +149,7 @@ class Decoding:
     trees: dict[int, EndToEnd] = field(default_factory=dict)  # node budget -> greedy tree decoding
     sampled: dict[float, EndToEnd] = field(default_factory=dict)  # temperature > 0 -> sampled chain decoding
     best: BestMode | None = None  # the fastest lossless greedy mode of chain and trees
-    engine: str = ""  # the decoding loop both plain and speculative decoding ran on (`engine.speculation_engine`)
+    engine: str = ""  # the decoding loop both plain and speculative decoding ran on (`plain.engine_name`)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_pipeline.decoding.engine import forward_costs, speculative_decode
-from dflash_pipeline.decoding.static_speculation import Speculation
+from dflash_pipeline.decoding.plain import forward_costs
+from dflash_pipeline.decoding.session import Speculation, speculative_decode
 
 
 def choose_verify_tokens(conditional_acceptance: list[float], verify_steps: dict[int, float], draft_steps: float) -> tuple[int, list[float]]:

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import torch
 from dflash_pipeline.foundation.config import EMBEDDED_TARGET, TargetConfig
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.foundation.files import digest_problem, read_json, sha256_file, write_json_atomic
+from dflash_pipeline.foundation.tensor_files import safetensors_header_bytes
 from dflash_pipeline.target.embedded import GGUF_SUFFIX, convert_embedded, convert_gguf
 from dflash_pipeline.target.folder import check_config_spellings, read_tensors
 from dflash_pipeline.target.placement import TargetPlacement, plan_device_map
@@ -194,9 +194,7 @@ def _weights_index_hash(model_dir: Path) -> str:
         size = file.stat().st_size
         digest.update(f"{file.name}:{size}".encode())
         if file.suffix == ".safetensors":
-            with open(file, "rb") as handle:
-                (header_len,) = struct.unpack("<Q", handle.read(8))
-                digest.update(handle.read(header_len))
+            digest.update(safetensors_header_bytes(file))
     return digest.hexdigest()
 
 
@@ -311,10 +309,10 @@ def load_target(info: TargetInfo, *, device: str = "cpu", placement: TargetPlace
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_pipeline.foundation.devices import configure_attention
+    from dflash_pipeline.foundation.devices import compute_dtype, configure_attention
 
     configure_attention(device)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = compute_dtype(device)
     if not (info.path / "config.json").is_file():
         raise PipelineError(f"{info.path}: target model folder is gone; rerun the `target` stage (dvc repro target)")
     tokenizer = AutoTokenizer.from_pretrained(info.path)
@@ -348,8 +346,13 @@ class TargetHead(torch.nn.Module):
         return (flat @ self.lm_head_weight.T).view(*hidden.shape[:-1], -1)
 
 
-def load_target_head(target: TargetInfo, *, device: str, dtype) -> TargetHead:
-    """The frozen embedding and LM head, read alone from the weight files (never the whole target)."""
+def load_target_head(target: TargetInfo, *, device: str, dtype=None) -> TargetHead:
+    """The frozen embedding and LM head, read alone from the weight files (never the whole target),
+    in `dtype` (None: the target's own on `device`, `devices.compute_dtype`)."""
+    if dtype is None:
+        from dflash_pipeline.foundation.devices import compute_dtype
+
+        dtype = compute_dtype(device)
     tensors = read_tensors(target.path, ["embed_tokens.weight", "lm_head.weight"])
     if "embed_tokens.weight" not in tensors:
         raise PipelineError(f"{target.path}: no '*embed_tokens.weight' tensor in the target's safetensors files")

@@ -166,23 +166,29 @@ class TrainingTargets:
         return TrainingTargets(self.weights, topk_ids[self.soft_rows].long(), topk_logprobs[self.soft_rows].float())
 
 
-def training_targets(batch: Batch, samples, gamma: float, *, pin_memory: bool = False, resident_rows: bool = False) -> TrainingTargets:
+def training_targets(batch: Batch, samples, gamma: float, *, block_size: int, pin_memory: bool = False,
+                     resident_rows: bool = False) -> TrainingTargets:
     """Slot weights exp(-(k-1)/gamma) where the slot exists, and, when every sample carries the
     target's top-K (capture.target_top_k > 0), each slot's target distribution: slot k's token
     follows position a + k - 1, so the distribution captured there.
+
+    `block_size` is the drafter's (its config is the truth of the block geometry): the decay runs
+    over its B-1 drafted slots, and a batch packed for another block size is refused.
 
     `pin_memory` puts the tensors in page-locked memory (a GPU then copies them asynchronously;
     from pageable memory the copy holds the host until it is done). `resident_rows`: the top-K is
     held on the device in the rows of the batch's `feature_rows`, so only each slot's row is
     given (`TrainingTargets.soft_rows`)."""
-    weights = decay_weights(batch.block_size, gamma) * batch.exists.float()
+    if batch.block_size != block_size:
+        raise PipelineError(f"train: a batch of blocks of {batch.block_size} for a drafter of block size {block_size}")
+    weights = decay_weights(block_size, gamma) * batch.exists.float()
     if pin_memory:
         weights = weights.pin_memory()
     if not all(getattr(s, "target_topk_ids", None) is not None and s.target_topk_ids.shape[-1] > 0 for s in samples):
         return TrainingTargets(weights)
     lengths = torch.tensor([sample.input_ids.shape[0] for sample in samples])
     starts = (torch.cumsum(lengths, 0) - lengths)[batch.block_sequence][:, None]
-    slots = batch.anchors[:, None].cpu() + torch.arange(1, batch.block_size)
+    slots = batch.anchors[:, None].cpu() + torch.arange(1, block_size)
     rows = starts + slots.clamp(max=lengths[batch.block_sequence][:, None] - 1) - 1  # the position before each slot
     if resident_rows:
         return TrainingTargets(weights, soft_rows=batch.feature_rows[rows])

@@ -37,7 +37,8 @@ def prepare_step(run: TrainingRun, step: int) -> PreparedStep:
                         sliding_window=drafter_config.sliding_window, pin_memory=run.device.startswith("cuda"),
                         feature_starts=None if run.resident is None else [run.resident.starts[indices[i]] for i in mine])
     resident_topk = run.resident is not None and run.resident.topk_ids is not None
-    targets = training_targets(batch, samples, run.gamma, pin_memory=run.device.startswith("cuda"), resident_rows=resident_topk)
+    targets = training_targets(batch, samples, run.gamma, block_size=drafter_config.block_size, pin_memory=run.device.startswith("cuda"),
+                               resident_rows=resident_topk)
     trained_positions = int(batch.exists.sum())  # host tensor
     if run.static_shape is not None:
         batch, targets = pad_step(batch, targets, run.static_shape, mask_token_id=run.mask_token_id)

@@ -29,7 +29,7 @@ import torch
 from dflash_pipeline.drafters.build import choose_architecture, choose_mask_token, drafter_config_for, new_drafter
 from dflash_pipeline.drafters.checkpoints import list_checkpoints
 from dflash_pipeline.foundation.config import TrainConfig
-from dflash_pipeline.foundation.devices import READ_EVERY, bf16_by_default
+from dflash_pipeline.foundation.devices import READ_EVERY
 from dflash_pipeline.foundation.errors import PipelineError
 from dflash_pipeline.target.load import TargetInfo, load_target_head
 from dflash_pipeline.train.contract import check_contract, open_shards, shards_record, used_token_ids
@@ -77,7 +77,7 @@ def setup_run(config: TrainConfig, *, target: TargetInfo, train_dir: Path, val_d
     if config.feature_norm == "channel_rms":
         drafter.feature_scale.copy_(channel_rms_scale(train_set))
     drafter.to(device).train()
-    head = load_target_head(target, device=device, dtype=torch.bfloat16 if bf16_by_default(device) else torch.float32)
+    head = load_target_head(target, device=device)
     if config.train_vocab == "data":
         answer_tokens = torch.cat([train_set[i].input_ids[train_set[i].loss_mask.bool()].long() for i in range(len(train_set))])
         vocabulary = TrainingVocabulary.from_tokens(head, answer_tokens)

@@ -1,7 +1,8 @@
-"""decoding/engine.py on the tiny Llama: plain decoding streams and stops where it should and
-`end_to_end` runs every candidate on every prompt against one plain run, lossless at T = 0; and the
-host oracles the engine is tested against: a verified prefix cuts a proposal (and its q) to k
-tokens, a tree verify leaves the target's cache holding exactly the accepted path."""
+"""decoding/plain.py on the tiny Llama: plain decoding streams and stops where it should and
+`end_to_end` runs every candidate on every prompt against one plain run, lossless at T = 0, its
+runs keyed by candidate and mode; and the host oracles the engine is tested against: a verified
+prefix cuts a proposal (and its q) to k tokens, a tree verify leaves the target's cache holding
+exactly the accepted path."""
 
 import pytest
 import torch
@@ -10,13 +11,15 @@ from oracles.drafting import Proposal, verified_prefix
 from oracles.trees import ANCHOR, DraftTree
 from support.decoding import plain_logits, prefilled
 
-from dflash_pipeline.decoding.engine import greedy_decode
-from dflash_pipeline.decoding.static_speculation import Speculation
+from dflash_pipeline.decoding.plain import greedy_decode
+from dflash_pipeline.decoding.session import Speculation
 from dflash_pipeline.measure.end_to_end import (
+    RunKey,
     end_to_end,
     first_difference,
     summarize_end_to_end,
 )
+from dflash_pipeline.speculation.modes import DecodingMode
 
 
 @pytest.fixture
@@ -52,13 +55,17 @@ def test_a_verified_prefix_cuts_the_tokens_and_their_q_rows():
 def test_end_to_end_runs_every_candidate_on_every_prompt_losslessly(tiny_target):
     model, _, head, drafter, prompt = tiny_target
     prompts = [("a", prompt), ("b", prompt[:5])]
-    candidates = [("chain", Speculation(drafter, head)), ("k1", Speculation(drafter, head, verify_tokens=1))]
+    candidates = [("d", Speculation(drafter, head)), ("d", Speculation(drafter, head, DecodingMode.chain(1))),
+                  ("d", Speculation(drafter, head, DecodingMode.tree(3)))]
+    keys = [RunKey("d"), RunKey("d", DecodingMode.chain(1)), RunKey("d", DecodingMode.tree(3))]
     results = end_to_end(model, candidates, prompts, max_new_tokens=8, eos_ids=set(), feature_dtype="bf16")
-    assert [r.prompt_id for r in results] == ["a", "b"] and all(set(r.speculative) == {"chain", "k1"} for r in results)
-    for name in ("chain", "k1"):
-        summary = summarize_end_to_end(results, name)
+    assert [r.prompt_id for r in results] == ["a", "b"] and all(list(r.speculative) == keys for r in results)
+    for key in keys:
+        summary = summarize_end_to_end(results, key)
         assert summary.lossless_rate == 1.0 and summary.prompts == 2 and summary.mismatches == []
-    assert all(max(r.speculative["k1"].steps) <= 2 for r in results)  # one drafted token and the bonus per step
+    assert all(max(r.speculative[keys[1]].steps) <= 2 for r in results)  # one drafted token and the bonus per step
+    with pytest.raises(ValueError, match="two candidates of one name decode in one mode"):
+        end_to_end(model, candidates[:1] * 2, prompts, max_new_tokens=8, eos_ids=set(), feature_dtype="bf16")
 
 
 def test_after_a_tree_verify_the_cache_holds_exactly_the_accepted_path(tiny_llama):
