@@ -1,7 +1,8 @@
 """Signposts stay true: every file, module, function and class that a docstring, a console line, the
 README or a page under docs/ names exists (tests/support/signposts.py says what counts)."""
 
-import pytest
+import subprocess
+
 from support.helpers import REPO_ROOT
 from support.signposts import Project, stale_signposts
 
@@ -12,8 +13,6 @@ def test_every_named_file_module_and_function_exists():
 
 
 def _git(repo, *args):
-    import subprocess
-
     subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
 
@@ -30,8 +29,14 @@ def test_the_check_finds_moved_modules_renamed_functions_and_missing_files_but_n
         "See `decoding.loop.run_steps`, `PlainStep.advance`, `decoding.lr` (a setting), `torch.float32`, src/dflash_pipeline/decoding/loop.py\n"
         "and the stale `decoding.engine.speculative_decode`, `PlainStep.retreat`, tests/oracles/gone.py, decoding/engine.py.\n")
     _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qm", "one")
+    commit = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "docs" / "page.md").write_text((tmp_path / "docs" / "page.md").read_text()
+                                               + f"A file as it was: {commit}:docs/page.md, and one it never had: {commit}:docs/never.md.\n")
     stale = {(s.where, s.name) for s in stale_signposts(tmp_path)}
     assert stale == {("src/dflash_pipeline/decoding/loop.py:1", "loop.gone"),
                      ("docs/page.md:2", "decoding.engine.speculative_decode"), ("docs/page.md:2", "PlainStep.retreat"),
-                     ("docs/page.md:2", "tests/oracles/gone.py"), ("docs/page.md:2", "decoding/engine.py")}, stale
+                     ("docs/page.md:2", "tests/oracles/gone.py"), ("docs/page.md:2", "decoding/engine.py"),
+                     ("docs/page.md:3", f"{commit}:docs/never.md")}, stale
     assert Project(tmp_path).path_exists("docs/page.md") and not Project(tmp_path).path_exists("docs/other.md")

@@ -242,39 +242,36 @@ DVC_COSTS = [
     Table("Projected from the recheck (2026-12-04)", f"{STUDY}/dvc_costs_recheck.json", PROJECTION, rows="projection.*"),
 ]
 
-RETIRED_AFTER = "6dfc1ff"  # the last commit with the one-off before/after benches (issue #46: bench/ by purpose)
+def retired(bench_at_commit: str, compared: str) -> str:
+    """The note of a table whose bench was a one-off comparison, retired once it had answered (issue #46:
+    bench/ by purpose); `bench_at_commit` names it as the last commit that had it, "6dfc1ff:bench/x.py"."""
+    return f"`{bench_at_commit}` ({compared}) was retired after that commit; `git show {bench_at_commit}` is the bench as it ran."
 
 
-def retired(bench: str, compared: str) -> str:
-    """The note of a table whose bench was a one-off comparison, retired once it had answered."""
-    return (f"`{bench}` ({compared}) was retired after {RETIRED_AFTER}; `git show {RETIRED_AFTER}:{bench}` is the bench "
-            "as it ran.")
-
-
-HOST_PATHS_RETIRED = retired("bench/host_paths.py", "the code before issue #27, kept in tests/oracles")
-STATIC_ENGINE_RETIRED = retired("bench/static_engine.py", "the engine against the host loops it replaced")
-ENGINES_RETIRED = "`--engines` of " + retired("bench/generate.py", "the stage's loop against the transformers loop it replaced")
+HOST_PATHS_RETIRED = retired("6dfc1ff:bench/host_paths.py", "the code before issue #27, kept in tests/oracles")
+STATIC_ENGINE_RETIRED = retired("6dfc1ff:bench/static_engine.py", "the engine against the host loops it replaced")
+ENGINES_RETIRED = "`--engines` of " + retired("6dfc1ff:bench/generate.py", "the stage's loop against the transformers loop it replaced")
 
 HOST_PATHS = [
-    Table("A GPU train step's host work, 16K context tokens, block 16 (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
+    Table("A GPU train step's host work, 16K context tokens, block 16 (6dfc1ff:bench/host_paths.py)", f"{STUDY}/host_paths.json", [
         ("machine", "machine", "{}"), ("sequences", "train.sequences", "{}"), ("blocks", "train.blocks", INT),
         ("dense mask", "train.dense_mask_mb", "{:.0f} MB"), ("metadata", "train.metadata_kb", "{:.0f} KB"),
         ("per-anchor batch + mask ms", "train.per_anchor_with_dense_mask_ms", "{:.0f}"), ("vectorised ms", "train.vectorised_ms", "{:.1f}"),
         ("speedup", "train.speedup_batch_building", "{:.1f}x"), ("BlockMask from metadata ms", "train.block_mask_from_metadata_ms", "{:.1f}"),
         ("tensors equal", "train.tensors_equal", yes_no),
     ], note=HOST_PATHS_RETIRED),
-    Table("The capture writer (bench/host_paths.py)", f"{STUDY}/host_paths.json", [
+    Table("The capture writer (6dfc1ff:bench/host_paths.py)", f"{STUDY}/host_paths.json", [
         ("tokens", "capture_writer.tokens", INT), ("element by element µs/token", "capture_writer.elementwise_us_per_token", F2),
         ("zero-copy, hashed while written µs/token", "capture_writer.zero_copy_us_per_token", F2),
         ("speedup", "capture_writer.speedup", "{:.2f}x"), ("same sha256", "capture_writer.same_sha256", yes_no),
     ], note=HOST_PATHS_RETIRED),
-    Table("The CPU stages against the commit before (bench/cpu_before_after.py)", f"{STUDY}/cpu_before_after.json", [
+    Table("The CPU stages against the commit before (6dfc1ff:bench/cpu_before_after.py)", f"{STUDY}/cpu_before_after.json", [
         ("machine", "machine", "{}"), ("baseline", "baseline", "`{}`"), ("sequences", "sequences", "{}"), ("rounds", "rounds", "{}"),
         ("capture tokens/s, now / before", "capture_tokens_per_s_ratio", F3), ("train ms/step, now / before", "train_step_time_ratio", F3),
         ("shards byte-identical", "shards_identical", yes_no), ("largest loss difference", "max_relative_loss_difference", "{:.1e}"),
     ], note="The real target, a fabricated generate output of the default run's lengths, params.yaml's settings; each version "
             "in its own process, alternating. Goals: both ratios no worse than 1 (capture >= 1, train <= 1), within noise. "
-            + retired("bench/cpu_before_after.py", "this tree against an earlier commit")),
+            + retired("6dfc1ff:bench/cpu_before_after.py", "this tree against an earlier commit")),
 ]
 
 STATIC_COLUMNS = [
@@ -285,29 +282,29 @@ STATIC_COLUMNS = [
         ("same steps", "identical_steps", "{}"),
     ]
 STATIC_ENGINE = [
-    Table("Before the one engine: the hand-written Llama step (bench/static_engine.py, 2026-12-06)",
+    Table("Before the one engine: the hand-written Llama step (6dfc1ff:bench/static_engine.py, 2026-12-06)",
           f"{STUDY}/static_engine_before_36.json", STATIC_COLUMNS, rows="modes.*",
           note="The real SmolLM2 target in fp32 on the 2-core Intel Xeon (torch threads 1), the committed DFlash2 step 1600, 4 val "
                "prompts x 64 tokens x 2 rounds, each (mode, prompt) on both loops back to back, alternating which goes first; the "
                "chain verifies all 3 drafted tokens (a slowdown on a CPU, see decoding.md). Each loop's speedup is over its own plain "
                "decoding. The host loop is transformers' forward with a DynamicCache. "
                + STATIC_ENGINE_RETIRED),
-    Table("The one engine: transformers' layers over the static cache (bench/static_engine.py, 2026-12-06)",
+    Table("The one engine: transformers' layers over the static cache (6dfc1ff:bench/static_engine.py, 2026-12-06)",
           f"{STUDY}/static_engine_after_36.json", STATIC_COLUMNS, rows="modes.*",
           note="The same bench, prompts and machine, run right after the one above. (An earlier table here, from the EPYC, compared "
                "the static step with itself: the bench's host side had called the dispatching functions; see gpu.md.) "
                + STATIC_ENGINE_RETIRED),
-    Table("Issue #36 part 2, before: the code before the host loops left the package (bench/static_engine.py at 46e3be4)",
+    Table("Issue #36 part 2, before: the code before the host loops left the package (46e3be4:bench/static_engine.py)",
           f"{STUDY}/static_engine_before_36b.json", STATIC_COLUMNS, rows="modes.*",
           note="The same bench, prompts and machine as above, each version's bench from its own checkout, one after the other on "
                "the quiet machine (2026-12-06); the host loop is the same code in both (moved to tests/oracles in part 2), so the "
                "static / host ratios compare the two engines. "
                + STATIC_ENGINE_RETIRED),
-    Table("Issue #36 part 2, after: one plain step, one loop, one graph runner (bench/static_engine.py)",
+    Table("Issue #36 part 2, after: one plain step, one loop, one graph runner (6dfc1ff:bench/static_engine.py)",
           f"{STUDY}/static_engine_after_36b.json", STATIC_COLUMNS, rows="modes.*",
           note="Run right after the table above. Plain decoding records no steps now (as the host loop), hence 8/8 same steps. "
                + STATIC_ENGINE_RETIRED),
-    Table("The step's forward: transformers' layers against hand-written Llama layers (bench/engine_forward.py)",
+    Table("The step's forward: transformers' layers against hand-written Llama layers (6dfc1ff:bench/engine_forward.py)",
           f"{STUDY}/engine_forward_cpu.json", [
               ("batch", "@", "{}"), ("transformers ms/step", "transformers_ms_per_step", F2),
               ("hand-written ms/step", "hand_written_ms_per_step", F2), ("ratio", "transformers_over_hand_written", F3),
@@ -315,8 +312,8 @@ STATIC_ENGINE = [
           ], rows="batches.*",
           note="SmolLM2 (LlamaForCausalLM, 30 layers) in fp32 on the 2-core Intel Xeon, torch threads 1, 64 greedy decode steps "
                "after the first val prompts (at most 256 tokens each), both over the whole cache length, median of 5 alternating "
-               "rounds (2026-12-06). " + retired("bench/engine_forward.py", "against the hand-written layers the engine dropped")),
-    Table("The generate stage's loop: the static step against transformers' loop (bench/generate.py --engines)",
+               "rounds (2026-12-06). " + retired("6dfc1ff:bench/engine_forward.py", "against the hand-written layers the engine dropped")),
+    Table("The generate stage's loop: the static step against transformers' loop (6dfc1ff:bench/generate.py --engines)",
           f"{STUDY}/generate_engines.json", [
               ("machine", "machine", "{}"), ("date", "date", "{}"), ("prompts", "prompts", "{}"),
               ("max new tokens", "max_new_tokens", "{}"), ("static tokens/s", "tokens_per_s.static KV", "{:.1f}"),
@@ -324,7 +321,7 @@ STATIC_ENGINE = [
               ("same answers", "answers_identical", yes_no),
           ], note="Batch 64 of the default prompts, 2 alternating rounds; the static step on a CPU attends over the written columns "
                   "only and drops ended rows after every step. " + ENGINES_RETIRED),
-    Table("The generate stage's loop before and after it became the engine's plain step (bench/generate.py --engines, issue #36)",
+    Table("The generate stage's loop before and after it became the engine's plain step (6dfc1ff:bench/generate.py --engines, issue #36)",
           f"{STUDY}/generate_engines_36b.json", [
               ("run", "run", "{}"), ("code", "code", "{}"), ("static tokens/s", "static_tokens_per_s", "{:.1f}"),
               ("transformers tokens/s", "transformers_tokens_per_s", "{:.1f}"), ("static / transformers", "static_vs_transformers", F3),

@@ -104,7 +104,7 @@ def _known(name: str, modules: dict[str, Path]) -> str | None:
 def tree_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The tree's modules that module `name` (file `path`) imports anywhere in it. A bare name that
     is a file beside this one means that file: run as a script, a file's own folder is first on
-    sys.path, so `from gpu import x` in bench/capture_figures.py meant bench/gpu.py."""
+    sys.path, so `from gpu import x` in 6dfc1ff:bench/capture_figures.py meant 6dfc1ff:bench/gpu.py."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     beside = package if path.name != "__init__.py" else ""
 

@@ -8,12 +8,12 @@ disk GB/s / bytes per token) (docs/gpu.md). `capture_figures` measures, in one p
 same batches, each term apart, so a miss says which part is short:
 
   forward      the target without anything capture adds (see `forward_seconds`);
-  GPU path     `capture.capture_batch` + `CapturedBatch.wait`: forward, taps, chunked head, top-k,
+  GPU path     `capture.forward.capture_batch` + `CapturedBatch.wait`: forward, taps, chunked head, top-k,
                device-side conversion and the pinned host copies, no writer;
-  writer       the stage's own writer (`capture.write_planned_shards`) on batches captured before:
+  writer       the stage's own writer (`capture.writers.write_planned_shards`) on batches captured before:
                encode, sha256, write and one fsync per shard, with N writer threads, in GB/s;
   disk         a plain sequential write of `disk_mb` MiB with fsync in the same folder, in GB/s;
-  stage        `capture.write_shards` end to end (GPU path and writer overlapped), tokens/s.
+  stage        `capture.writers.write_shards` end to end (GPU path and writer overlapped), tokens/s.
 
 bench/gpu/figures.py calls `capture_figures(model, plan, sequences, layer_ids, pad_id=..., feature_dtype=...,
 folder=...)` with the model it loaded and a `capture.SplitPlan`; tests/capture/test_writers.py runs
@@ -54,7 +54,7 @@ def _padded(batch, pad_id: int, device: str):
 
 def forward_seconds(model, batches, *, pad_id: int, top_k: int, logits_chunk: int = 2048) -> float:
     """Seconds of the plain forward over `batches`: the base model (`model.get_decoder()`) to its
-    last hidden state, then the stage's own chunked head (`capture._head_outputs`: argmax and
+    last hidden state, then the stage's own chunked head (`capture.forward._head_outputs`: argmax and
     top-k per chunk of positions), with no taps and nothing copied to the host.
 
     The head is kept because every capture needs the target's next tokens and its top-k; it is

@@ -177,7 +177,7 @@ def step_seconds(short: float, long: float, steps: int) -> tuple[float, bool]:
 
 
 def decode_figures(work: Path, target, *, device: str, steps: int, batch: int) -> dict:
-    """The generate stage's decode loop (`generate.static_greedy_generate`: the engine's plain step,
+    """The generate stage's decode loop (`generate.run.static_greedy_generate`: the engine's plain step,
     a CUDA graph on a GPU) against transformers' forward with its growing cache (tests/oracles),
     side by side on the same prompts: ms per step at batch 1 (evaluate's greedy baseline) and
     answer tokens/s at `batch` rows. Each figure is the difference of a run of 2n and one of n

@@ -1,4 +1,4 @@
-"""evaluate/scoring.py by hand: τ of a block, the DDTree streak of the smallest trees, and what a
+"""measure/scoring.py by hand: τ of a block, the DDTree streak of the smallest trees, and what a
 DFlash2 summary adds (its selector's gain over each slot's own argmax, and the top-K oracle)."""
 
 import math

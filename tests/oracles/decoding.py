@@ -84,7 +84,7 @@ def keep_path(cache, start: int, path: list[int]) -> None:
 
 def verify_tree(model, cache, tree: DraftTree, anchor: int, position: int) -> tuple[list[int], int]:
     """Verify every node of `tree` in ONE target forward: input [anchor, nodes...], each node at
-    position anchor + depth + 1, under `trees.tree_attention_mask` (a node sees the cache, the
+    position anchor + depth + 1, under `oracles.trees.tree_attention_mask` (a node sees the cache, the
     anchor and its ancestors only). Walks the target's argmax from the anchor down the tree and
     returns (accepted nodes, the target's bonus token). The cache (`position` entries before the
     call, the anchor at `position`) then holds exactly the prefix, the anchor and the accepted path.

@@ -71,7 +71,7 @@ class DraftCache:
 def draft_hidden(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: int) -> torch.Tensor:
     """Final-norm hidden states [B-1, H] of the slots after `anchor_token`, which sits at position
     cache.length. The context is every position < cache.length (the anchor's own features are not
-    known yet). `head` is the target's frozen embedding and LM head (`target.TargetHead`)."""
+    known yet). `head` is the target's frozen embedding and LM head (`target.load.TargetHead`)."""
     config = drafter.config
     device = head.embed_weight.device
     ids = torch.full((config.block_size,), config.mask_token_id, dtype=torch.long, device=device)
@@ -101,7 +101,7 @@ def draft_block(drafter: DFlashDrafter, head, cache: DraftCache, anchor_token: i
     V is the drafter's draft vocabulary (`drafter.vocab_tokens` maps columns to token ids), the
     whole vocabulary unless it has one.
 
-    `head` is the target's frozen embedding and LM head (`target.TargetHead`).
+    `head` is the target's frozen embedding and LM head (`target.load.TargetHead`).
     The context is every position < cache.length (the anchor's own features are not known yet).
     """
     return draft_logits(drafter, head, draft_hidden(drafter, head, cache, anchor_token))

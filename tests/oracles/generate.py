@@ -1,7 +1,7 @@
 """The generate stage's batch loop as it was before the static engine: the reference it is tested against.
 
 `dynamic_greedy_generate` decodes a left-padded batch over transformers' own forward and a
-DynamicCache, dropping finished rows from the cache. The package's `generate.static_greedy_generate`
+DynamicCache, dropping finished rows from the cache. The package's `generate.run.static_greedy_generate`
 must answer every prompt exactly as it does.
 """
 
@@ -15,7 +15,7 @@ from dflash_pipeline.generate.run import Answer, left_padded
 def dynamic_greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                             on_step=None) -> list[Answer]:
     """Greedy-decode a batch of prompts with left padding and a shared KV cache over transformers'
-    own forward: the reference `generate.static_greedy_generate` is tested against
+    own forward: the reference `generate.run.static_greedy_generate` is tested against
     (tests/decoding/test_static_decoder.py) and timed against on a GPU (bench/gpu/figures.py's decode section).
 
     Rows that finish leave the batch (their cache rows are dropped), so a long answer does not

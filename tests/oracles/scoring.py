@@ -1,7 +1,7 @@
 """The teacher-forced scorer's reference: one block per drafter forward through a host context cache.
 
 `score_one_block_at_a_time` drafts each block as the host decoding loop did (`oracles.drafting`)
-and scores it with the same rules as `evaluate.scoring.score_teacher_forced` (the member's
+and scores it with the same rules as `measure.scoring.score_teacher_forced` (the member's
 `score_blocks`, `_score_logits`); the tests and bench/evaluate.py compare the two.
 """
 

@@ -1,5 +1,5 @@
 """The host DDTree: the heap builder, the walk and the tree mask the package's tensor builder is
-tested against (`decoding.trees.build_draft_tree_tensors`, `tree_streaks`, `tree_attention_visibility`).
+tested against (`speculation.trees.build_draft_tree_tensors`, `tree_streaks`, `tree_attention_visibility`).
 
     build_draft_tree     best-first growth of the most probable drafted prefixes, a Python heap
     DraftTree.walk       follow a continuation down the tree from the anchor: the teacher-forced

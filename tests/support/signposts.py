@@ -7,7 +7,8 @@ moves, those names go stale silently. This module finds every such name and says
 
 - a path whose first folder is one of the repository's source folders (src/, tests/, bench/, tools/,
   docs/, stages/, scripts/, .ci/), or a path inside the package (`decoding/session.py`): it must be
-  a file or folder git knows (tracked, or new and not ignored);
+  a file or folder git knows (tracked, or new and not ignored); a path as it was at a commit,
+  `6dfc1ff:bench/static_engine.py` (a retired file), must be in that commit;
 - a dotted name in a code span (between backticks) or a docstring's backticks, whose first part is
   the package, one of its wings, one of its modules or one of its classes: the module must exist,
   and every further part must be defined there (a top-level name, or an attribute of one of its
@@ -32,6 +33,7 @@ PAGES = ("README.md", "docs", "bench")  # *.md under these
 FILE_SUFFIXES = {"py", "sh", "md", "json", "yaml", "yml", "jsonl", "csv", "png", "txt", "toml", "lock", "safetensors", "parquet",
                  "arrow", "jinja", "gguf", "html", "bin", "log", "tar", "gz", "sha256"}
 PATH = re.compile(r"(?<![\w./$~-])((?:%s)/[\w./-]*[\w/])" % "|".join(re.escape(f) for f in SOURCE_FOLDERS))
+REVISION_PATH = re.compile(r"\b([0-9a-f]{7,40}):((?:%s)/[\w./-]*\w)" % "|".join(re.escape(f) for f in SOURCE_FOLDERS))
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 DOTTED = re.compile(r"(?<![\w./$-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 # Names of other tools that share a first part with a module here: DVC's config options, z-lab's package.
@@ -71,6 +73,9 @@ class Project:
         # an output stem (`--out bench/results/compute_curve` writes compute_curve.json, .csv, .png)
         return "." not in Path(path).name and any(name.startswith((path + ".", path + "_") if not path.endswith("_") else path)
                                                    for name in self.files)
+
+    def existed_at(self, revision: str, path: str) -> bool:
+        return subprocess.run(["git", "-C", str(self.root), "cat-file", "-e", f"{revision}:{path}"], capture_output=True).returncode == 0
 
     @cached_property
     def wings(self) -> set[str]:
@@ -217,6 +222,11 @@ def stale_signposts(root: Path) -> list[Signpost]:
     found: list[Signpost] = []
     seen: set[tuple[str, str]] = set()
     for where, line in texts(project):
+        for revision, path in REVISION_PATH.findall(line):  # a file as it was at a commit (a retired bench)
+            if not project.existed_at(revision, path) and (where, path) not in seen:
+                seen.add((where, path))
+                found.append(Signpost(where, f"{revision}:{path}", "names no file that commit had"))
+        line = REVISION_PATH.sub("", line)
         for path in PATH.findall(re.sub(r"--(?:out|json) +\S+", "", line)):  # what a command will write is not there yet
             if _is_path_to_check(path) and not project.path_exists(path) and (where, path) not in seen:
                 seen.add((where, path))
@@ -240,7 +250,7 @@ def _is_path_to_check(path: str) -> bool:
         return False
     if path.startswith("bench/results/") and "." not in parts[-1]:
         return False  # a bench's output stem (its --out default), written when it runs
-    return not path.startswith(("bench/results/gpu-", "tests/<"))
+    return not path.startswith(("bench/work/", "tests/<"))  # bench/work/: the benches' git-ignored work folders
 
 
 def _dotted_problem(project: Project, name: str) -> str | None:

@@ -153,7 +153,7 @@ def test_embedded_default_converts_to_identical_logits(embedded_target):
 
 @pytest.mark.slow
 def test_static_kv_generation_answers_the_default_prompts_as_transformers_does(embedded_target):
-    """The real target, fp32 on a CPU: the static-KV decode loop (`generate.static_greedy_generate`,
+    """The real target, fp32 on a CPU: the static-KV decode loop (`generate.run.static_greedy_generate`,
     issue #28) gives transformers' own forward's greedy answers token for token, for the first
     default prompts of each category in one left-padded batch."""
     from oracles.generate import dynamic_greedy_generate

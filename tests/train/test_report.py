@@ -42,7 +42,7 @@ def test_the_metrics_name_the_first_four_slots_and_the_held_out_interval():
 
 def _metrics_before_the_typed_record(run) -> dict:
     """train.json's dict as the code before the typed record built it from a finished run:
-    `train.run._final_metrics` and `train.report.write_train_outputs` of commit d075ee0, verbatim
+    `_final_metrics` of d075ee0:src/dflash_pipeline/train/run.py and `write_train_outputs` of d075ee0:src/dflash_pipeline/train/report.py, verbatim
     but for the names. The reference the record must reproduce."""
     def mean(values):
         return round(sum(values) / len(values), 6) if values else None

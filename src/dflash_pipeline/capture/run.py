@@ -7,7 +7,7 @@ whose `this_run` part (seconds, shards written now) is the only part that differ
 runs on the same inputs; the stage script writes it as a metrics file outside the data folder,
 so a rerun that changes no shard leaves the output, and every stage after it, unchanged.
 
-Layer id i means the OUTPUT of decoder layer i (`target.LayerTap`): forward hooks keep only the
+Layer id i means the OUTPUT of decoder layer i (`target.load.LayerTap`): forward hooks keep only the
 selected layers, never all L + 1 hidden states.
 
 The work is planned before it starts: sequences sorted by length, cut into shards of about
@@ -20,7 +20,7 @@ The run works in `<out>.partial/` beside the output and renames it to `<out>` on
 are done: a killed run's shards wait there for the rerun, so the DVC output need not be
 `persist`ed. That matters at scale: before rerunning a stage DVC copies every file of a persisted
 output out of its cache (`dvc unprotect`, a full copy of the shards when they are hard links),
-while a plain output is deleted, which only unlinks (bench/dvc_costs.py). A run outside DVC
+while a plain output is deleted, which only unlinks (bench/studies/dvc_costs.py). A run outside DVC
 that finds a finished `<out>` and no `.partial` starts from it, so its shards are reused as before.
 When DVC serves `<out>` from its run cache instead of running the stage (a rerun after a kill, with
 settings it has seen), a killed run's `.partial` stays behind: `make repro` removes it

@@ -17,7 +17,7 @@ from dflash_pipeline.target.placement import model_device
 def default_writer_threads(device_type: str) -> int:
     """Writer threads when the caller names none: on a GPU up to 4 (one shard each; hashing and
     Arrow release the GIL, so they run in parallel and keep up with the device), on a CPU none,
-    since a thread there takes cores from the forward (bench/capture_writers.py measures it)."""
+    since a thread there takes cores from the forward (6dfc1ff:bench/capture_writers.py measures it)."""
     if device_type != "cuda":
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,5 +1,5 @@
 """`dflash-pipeline compare-runs`: the chosen drafters of two evaluate outputs compared, paired by
-val prompt (`evaluate.run.compare_eval_runs`)."""
+val prompt (`evaluate.compare.compare_eval_runs`)."""
 
 import click
 

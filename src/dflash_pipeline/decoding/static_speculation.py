@@ -82,7 +82,7 @@ class StaticDraftCache:
 
     def hidden(self, head, anchor: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [B-1, H] of the slots after `anchor` [1] at position `start`:
-        `core.draft_hidden` over the static cache (context = the columns before `start`)."""
+        `core.DFlashDrafter.forward_blocks` for one block over the static cache (context = the columns before `start`)."""
         drafter, config = self.drafter, self.drafter.config
         block = config.block_size
         device = self.keys.device

@@ -8,7 +8,7 @@ changes and registers itself with `family.register`. The shared mechanics call t
     layers           `sublayer_wrappers` around attention and MLP, `extra_modules` beside the core
     drafting         `draft_chain`: the chain of a drafted block (T = 0 and both sampling rules),
                      on the device; trees are built by shared code from the head's logits
-                     (`decoding.trees`), so a member writes drafting once
+                     (`speculation.trees`), so a member writes drafting once
     training         `loss_top_k` and `extra_loss` beside the drafted slots' cross-entropy, and
                      `curve_fields` (what the extra term adds to the training curve)
     scoring          `score_blocks` (which drafted slots count as correct, and per-block extras),

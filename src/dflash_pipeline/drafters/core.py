@@ -13,7 +13,7 @@ An architecture of the family (`drafters.family`, one module per member) may wra
 and MLP sublayers of every layer (DFlash2's block-local convolution) and add modules of its own
 (DFlash2's candidate selector); the core asks the member, it never tests a name.
 
-The drafter owns no embedding and no LM head: `target.TargetHead` holds the target's two frozen
+The drafter owns no embedding and no LM head: `target.load.TargetHead` holds the target's two frozen
 tensors, read straight from its weight files. Training drafts every anchor block of a packed
 batch of sequences in one forward (`forward_blocks`, with the DFlash mask of `dflash_mask`, its
 sliding window included); decoding keeps the context's keys/values in a static cache

@@ -1,5 +1,5 @@
 """How much a drafter costs to train: its parameter count and the model FLOPs of training steps
-(the MFU `bench/gpu.py` and `bench/train.py` report against the chip's dense bf16 peak)."""
+(the MFU `bench/gpu/figures.py` and `bench/train.py` report against the chip's dense bf16 peak)."""
 
 from torch import nn
 

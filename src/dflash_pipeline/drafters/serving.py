@@ -25,7 +25,7 @@ A drafter folder, as z-lab publishes them and as z-lab/dflash's `DFlashDraftMode
                            are indexed by token id), so such a server runs it unchanged; only
                            its top-K may then hold tokens the drafter never learnt to rank
 
-Input of `export_drafter`: a drafter (`checkpoints.export_checkpoint` exports a training checkpoint).
+Input of `export_drafter`: a drafter (`export.run.export_checkpoint` exports a training checkpoint).
 Output: the folder above, renamed into place when complete. `load_dflash_drafter` reads any such
 folder (ours or a published one) into a `DFlashDrafter` with fp32 weights; whatever it cannot
 represent exactly is refused with one line naming the file and key, never approximated.

@@ -68,7 +68,7 @@ def decoding_engine(model) -> str:
     static KV step on every device (`decoding.static_decoder`), replayed as a CUDA graph on a GPU
     (where transformers' own loop spent ~50 ms of host work per step) and attending over the
     written columns only on a CPU (where it measured 1.09x transformers' loop, identical answers:
-    bench/generate.py --engines). A target it cannot serve is refused in one line
+    6dfc1ff:bench/generate.py, run with --engines). A target it cannot serve is refused in one line
     (`static_decoder.check_servable`), never sent down another path."""
     from dflash_pipeline.decoding.plain import engine_name
 
