@@ -57,6 +57,8 @@ def test_make_repro_checks_the_cache_before_relinking():
 
 def test_bit_rot_in_hard_linked_outputs_is_repaired_by_make_repro(reproduced_tiny_pipeline):
     repo = reproduced_tiny_pipeline  # a copy of the run, its outputs still hard links into its cache
+    # DVC's state database (per repository path) knows the outputs' hashes after a run; a copy has none until it looks once.
+    assert dvc(repo, "status").stdout.strip().endswith("Data and pipelines are up to date.")
     shard = repo / "data" / "hidden" / "train" / "shard-00000.arrow"
     weights = repo / "data" / "checkpoints" / "step_000004" / "model.safetensors"  # the last of max_steps 4, save_every 2
     chunk = repo / "data" / "generated" / "chunks" / "chunk-00000.parquet"  # generate's resume cache: it was reused as it was
