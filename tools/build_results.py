@@ -5,7 +5,8 @@
     python tools/build_results.py --workspace  # from the files as they are in the workspace (a run not yet committed)
 
 Sources: the committed run's metrics (`data/metrics/*.json`), its plot data (`data/plots/*.csv`),
-its `dvc.lock` (output sizes), and the benchmarks' and studies' results (`bench/results/*.json`),
+its `dvc.lock` (output sizes), the benchmarks' and studies' results (`bench/results/*.json`) and the
+test suite's record (`tests/durations.json`),
 read through git at HEAD: a run of the pipeline rewrites `data/metrics` and `data/plots` in the
 workspace (another machine, another `-S` setting), and the page describes the committed run, not
 whichever run the workspace holds. To commit a new run: commit its metrics, plots and dvc.lock, then
@@ -359,6 +360,21 @@ SCALE = [
             "issue-#37 goal, unmeasured), 4 GB/s of disk per node, 200 + 800 tokens per sample, 512 anchors x block 16, 6 epochs."),
 ]
 
+DURATIONS = "tests/durations.json"  # `make test-record` (tests/support/durations.py)
+
+SUITE = [
+    Table("The whole suite", DURATIONS, [
+        ("date", "date", "{}"), ("machine", "machine", "{}"), ("tests", "tests", INT), ("passed", "outcomes.passed", INT),
+        ("skipped", "outcomes.skipped", INT), ("failed", "outcomes.failed", INT),
+        ("minutes", "seconds", lambda seconds: f"{seconds / 60:.1f}"),
+    ], note="`make test-record` on a clean clone, alone on the machine: `make test` with the record written; "
+            "the README quotes its count and minutes."),
+    Table("Its 30 slowest tests", DURATIONS, [
+        ("rank", "rank", "{}"), ("test", "test", "`{}`"), ("seconds", "seconds", "{:.1f}"),
+    ], rows="slowest", note="Setup, call and teardown together, as `pytest --durations` counts them; the session's one "
+                            "`dvc repro` of the tiny pipeline from nothing falls in the setup of the first test that copies it."),
+]
+
 SECTIONS = [
     ("The committed run", "`make repro` of the commit's code: its `data/metrics`, `data/plots` and `dvc.lock`.", COMMITTED),
     ("Training studies", "`bench/studies/train_study.py` and `bench/studies/compute_curve.py`; what they showed is in "
@@ -372,6 +388,7 @@ SECTIONS = [
                                     "and [decoding.md](decoding.md#the-steps-forward-transformers-layers).", STATIC_ENGINE),
     ("Scale", "Several processes measured on a CPU, and the cost of 8B and 70B runs modelled; how to launch them is in "
               "[scale.md](scale.md).", SCALE),
+    ("The test suite", "What `make test` costs and where its time goes (README, [Tests](../README.md#tests)).", SUITE),
 ]
 
 

@@ -34,7 +34,7 @@ class DurationsRecord:
             self.outcomes.setdefault(nodeid, "passed")
 
     def pytest_sessionfinish(self, session, exitstatus):
-        counts: dict[str, int] = {}
+        counts = {"passed": 0, "skipped": 0, "failed": 0, "error": 0}
         for outcome in self.outcomes.values():
             counts[outcome] = counts.get(outcome, 0) + 1
         slowest = sorted(self.seconds.items(), key=lambda item: -item[1])[:SLOWEST]
@@ -42,7 +42,7 @@ class DurationsRecord:
             "date": date.today().isoformat(),
             "machine": _machine(),
             "tests": len(self.outcomes),
-            "outcomes": dict(sorted(counts.items())),
+            "outcomes": counts,
             "exit_status": int(exitstatus),
             "seconds": round(time.time() - self.started, 1),
             "slowest": [{"rank": rank, "test": nodeid, "seconds": round(seconds, 1)} for rank, (nodeid, seconds) in enumerate(slowest, 1)],
