@@ -37,9 +37,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_configure(config):
-    """One torch thread for this process (`DFLASH_TEST_THREADS` to choose another count): its models are a
-    few layers 64 wide, too small to gain from a second thread, and on a busy 2-core machine two threads
-    per process made the unit lane 9x slower. The stage commands the tests spawn keep torch's default."""
+    """One torch thread for this process, each pytest-xdist worker alike (`DFLASH_TEST_THREADS` to
+    choose another count): its models are a few layers 64 wide, too small to gain from a second
+    thread, and on a busy 2-core machine two threads per process made the unit lane 9x slower. The
+    stage commands the tests spawn get theirs from `helpers.stage_env`."""
     import torch
 
     torch.set_num_threads(int(os.environ.get("DFLASH_TEST_THREADS", "1")))

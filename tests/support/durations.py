@@ -63,5 +63,5 @@ def _machine() -> str:
 def register(config) -> None:
     """Record this session's durations when DFLASH_TEST_DURATIONS names a file (on the controlling process only)."""
     path = os.environ.get("DFLASH_TEST_DURATIONS")
-    if path:
+    if path and not hasattr(config, "workerinput"):  # a pytest-xdist worker: its reports reach the controller
         config.pluginmanager.register(DurationsRecord(Path(path)), "dflash-durations-record")

@@ -75,10 +75,21 @@ def write_jsonl(path: Path, rows: list) -> Path:
             handle.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
 
+def stage_threads() -> int | None:
+    """Torch threads for a stage command a test spawns: under pytest-xdist the machine's cores divided
+    by the workers (two one-thread stages on two cores beat two oversubscribed two-thread ones);
+    otherwise None, torch's own default. OMP_NUM_THREADS set by the user wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    return max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+
+
 def stage_env() -> dict:
     """Environment for subprocesses: this interpreter's bin first, so `python` is the venv's."""
     require_marker(_running["item"], "builds a subprocess environment (stage_env)", SPAWN_MARKERS)
     env = dict(os.environ)
+    threads = stage_threads()
+    if threads is not None:
+        env.setdefault("OMP_NUM_THREADS", str(threads))
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["HF_HUB_OFFLINE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
