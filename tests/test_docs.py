@@ -190,7 +190,7 @@ def test_tables_of_numbers_are_generated_not_typed(page):
 
 # What a run rewrites in the workspace, and what the docs check reads of it from the committed files.
 RUN_FILES = ("dvc.lock", "data/metrics", "data/plots")
-COMMITTED_RUN = ("README.md", "docs", "tools", "bench/results", *RUN_FILES)
+COMMITTED_RUN = ("README.md", "docs", "tools", "bench/results", "tests/durations.json", *RUN_FILES)
 
 
 def files_under(repo: Path, paths) -> dict[str, bytes]:

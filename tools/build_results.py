@@ -245,7 +245,7 @@ DVC_COSTS = [
 
 def retired(bench_at_commit: str, compared: str) -> str:
     """The note of a table whose bench was a one-off comparison, retired once it had answered (issue #46:
-    bench/ by purpose); `bench_at_commit` names it as the last commit that had it, "6dfc1ff:bench/x.py"."""
+    bench/ by purpose); `bench_at_commit` names it as the last commit that had it, "6dfc1ff:bench/static_engine.py"."""
     return f"`{bench_at_commit}` ({compared}) was retired after that commit; `git show {bench_at_commit}` is the bench as it ran."
 
 
